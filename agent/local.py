@@ -1,0 +1,73 @@
+"""The agent's local channel to its workers (gRPC over a unix socket).
+
+A worker attaches with its replica id in the call metadata; the agent answers
+with `welcome` (the job) and then forwards the controller's commands. Reports
+go the other way and are relayed upstream unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from recover.agent.workers import WorkerProcess
+from recover.proto import pb, rpc
+
+log = logging.getLogger("recover.agent")
+
+REPLICA_METADATA_KEY = "recover-replica"
+
+
+class WorkerChannelService(rpc.WorkerChannelServicer):
+    def __init__(
+        self,
+        workers: dict[int, WorkerProcess],
+        job: pb.JobConfig,
+        relay: Callable[[pb.WorkerReport], None],
+    ) -> None:
+        self._workers = workers
+        self._job = job
+        self._relay = relay
+
+    def _worker_of(self, context: grpc.aio.ServicerContext) -> WorkerProcess | None:
+        metadata = dict(context.invocation_metadata() or ())
+        try:
+            replica = int(metadata.get(REPLICA_METADATA_KEY, ""))
+        except ValueError:
+            return None
+        return self._workers.get(replica)
+
+    async def Attach(  # noqa: N802 (gRPC method name)
+        self, request_iterator: AsyncIterator[pb.WorkerReport], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.WorkerCommand]:
+        worker = self._worker_of(context)
+        if worker is None:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"no worker of this agent has {REPLICA_METADATA_KEY} metadata matching")
+            return
+
+        async def read() -> None:
+            try:
+                async for report in request_iterator:
+                    report.replica = worker.replica  # a worker speaks only for itself
+                    self._relay(report)
+            except (grpc.aio.AioRpcError, asyncio.CancelledError):
+                pass
+
+        reader = asyncio.create_task(read())
+        try:
+            yield pb.WorkerCommand(welcome=pb.Welcome(replica=worker.replica, job=self._job))
+            while (command := await worker.commands.get()) is not None:
+                yield command
+        finally:
+            reader.cancel()
+
+    async def NoteFault(self, request: pb.FaultNote, context: grpc.aio.ServicerContext) -> pb.Ack:  # noqa: N802
+        worker = self._worker_of(context)
+        if worker is not None:
+            worker.fault = pb.FaultNote()
+            worker.fault.CopyFrom(request)
+        return pb.Ack()

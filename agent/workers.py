@@ -1,0 +1,91 @@
+"""Spawning and watching the torch worker processes of one host."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from recover.proto import pb
+
+@dataclass
+class WorkerProcess:
+    replica: int
+    slot: int
+    process: asyncio.subprocess.Process
+    log_file: IO[bytes] | None = None
+    fault: pb.FaultNote | None = None
+    """What the worker said about the fault it injected into itself, if any."""
+    commands: asyncio.Queue[pb.WorkerCommand | None] = field(default_factory=asyncio.Queue)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+
+async def spawn_worker(
+    command: list[str],
+    *,
+    replica: int,
+    slot: int,
+    agent_id: str,
+    agent_address: str,
+    job_id: str,
+    log_dir: Path | None,
+) -> WorkerProcess:
+    """Start one worker with its identity in RECOVER_* variables (like torchrun's RANK)."""
+    env = dict(os.environ)
+    env.update({
+        "RECOVER_REPLICA_ID": str(replica),
+        "RECOVER_SLOT": str(slot),
+        "RECOVER_AGENT_ID": agent_id,
+        "RECOVER_AGENT_ADDR": agent_address,
+        "RECOVER_JOB_ID": job_id,
+        # The worker arms a parent-death signal against this pid (no preexec_fn:
+        # forking a process that runs gRPC threads must exec straight away).
+        "RECOVER_AGENT_PID": str(os.getpid()),
+        "PYTHONUNBUFFERED": "1",
+    })
+    log_file = None
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log_file = open(log_dir / f"replica-{replica}.log", "ab")  # noqa: SIM115 (owned by WorkerProcess)
+    process = await asyncio.create_subprocess_exec(
+        *command, env=env, stdin=asyncio.subprocess.DEVNULL,
+        stdout=log_file, stderr=log_file)
+    return WorkerProcess(replica, slot, process, log_file)
+
+
+def exit_report(worker: WorkerProcess, returncode: int) -> pb.WorkerExited:
+    report = pb.WorkerExited(
+        replica=worker.replica,
+        exit_code=returncode if returncode >= 0 else 0,
+        signal=-returncode if returncode < 0 else 0,
+        observed_at=time.time(),
+    )
+    if worker.fault is not None:
+        report.fault.CopyFrom(worker.fault)
+    return report
+
+
+async def stop_workers(workers: list[WorkerProcess], grace_s: float) -> None:
+    """Wait up to `grace_s` for workers to leave on their own, then kill the rest."""
+    alive = [w for w in workers if w.process.returncode is None]
+    if not alive:
+        return
+    waits = [asyncio.create_task(w.process.wait()) for w in alive]
+    _, pending = await asyncio.wait(waits, timeout=grace_s)
+    for worker in alive:
+        if worker.process.returncode is None:
+            try:
+                worker.process.kill()
+            except ProcessLookupError:
+                pass
+    if pending:
+        await asyncio.wait(pending, timeout=5)
+    for worker in workers:
+        if worker.log_file is not None:
+            worker.log_file.close()

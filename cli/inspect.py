@@ -1,0 +1,84 @@
+"""`recover status` and `recover events`: read a running controller."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from recover.proto import pb, rpc
+
+
+class ControllerUnreachable(Exception):
+    """Nobody answers at the controller address."""
+
+
+def connect(address: str, timeout_s: float = 5.0) -> tuple[grpc.Channel, rpc.ControlStub]:
+    channel = grpc.insecure_channel(address)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout_s)
+    except grpc.FutureTimeoutError:
+        channel.close()
+        raise ControllerUnreachable(
+            f"no controller answers at {address} (waited {timeout_s:.0f}s)") from None
+    return channel, rpc.ControlStub(channel)
+
+
+def format_status(status: pb.JobStatus) -> str:
+    load = " ".join(f"{entry.replica}:{entry.microbatches}" for entry in status.load)
+    lines = [
+        f"job         {status.job_id}",
+        f"state       {status.state}" + (f" ({status.reason})" if status.reason else ""),
+        f"step        {status.steps_committed}/{status.steps_total}",
+        f"generation  {status.generation}",
+        f"replicas    {len(status.live_replicas)} live {list(status.live_replicas)} "
+        f"on {status.agents} agents",
+        f"plan        {load or '-'} (replica:microbatches)",
+        f"recoveries  {status.recoveries}",
+        f"loss        {status.last_loss:.4f}",
+        f"tokens      {status.tokens}",
+        f"elapsed     {status.elapsed_s:.1f}s",
+    ]
+    return "\n".join(lines)
+
+
+def format_event(event: pb.Event) -> str:
+    where = " ".join(
+        f"{name}={value}" for name, value in
+        (("step", event.step), ("gen", event.generation), ("replica", event.replica)) if value >= 0)
+    stamp = time.strftime("%H:%M:%S", time.localtime(event.at)) + f".{int(event.at % 1 * 1000):03d}"
+    return f"{stamp} #{event.seq:<4} {event.kind:<16} {where:<28} {event.message}"
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        channel, stub = connect(args.controller)
+    except ControllerUnreachable as exc:
+        print(f"recover {args.command}: {exc}", file=sys.stderr)
+        return 1
+    try:
+        if args.command == "status":
+            status = stub.Status(pb.StatusRequest(), timeout=5)
+            print(json.dumps(MessageToDict(status, always_print_fields_with_no_presence=True))
+                  if args.json else format_status(status))
+            return 0
+        after = 0
+        while True:
+            events = stub.Events(pb.EventsRequest(after_seq=after), timeout=5).events
+            for event in events:
+                print(json.dumps(MessageToDict(event, always_print_fields_with_no_presence=True))
+                      if args.json else format_event(event), flush=True)
+                after = event.seq
+            if not args.follow:
+                return 0
+            time.sleep(0.5)
+    except grpc.RpcError as exc:
+        print(f"recover {args.command}: controller at {args.controller} failed: "
+              f"{exc.code().name}", file=sys.stderr)  # type: ignore[attr-defined]
+        return 1
+    finally:
+        channel.close()

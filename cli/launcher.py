@@ -1,0 +1,211 @@
+"""`recover run`: the whole job on this machine, with live progress.
+
+It starts the controller and the agents as separate processes, exactly as
+they run across hosts (the agents emulate hosts), watches the controller's
+status, and writes OUT/summary.json when the job ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO
+
+import grpc
+
+from recover.cli import inspect
+from recover.cli.jobargs import UsageError, job_from_args, job_to_args
+from recover.cli.summary import build_summary, format_summary
+from recover.proto import pb
+
+TERMINAL = ("succeeded", "failed")
+SHOWN_EVENTS = ("replica-failed", "generation", "recovered", "agent-lost", "failed", "divergence")
+
+
+class LaunchError(Exception):
+    """A part of the local job could not start; the message says which and why."""
+
+
+def split_slots(replicas: int, agents: int) -> list[int]:
+    base, extra = divmod(replicas, agents)
+    return [base + (1 if i < extra else 0) for i in range(agents)]
+
+
+class LocalJob:
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.logs = out / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self._files: list[IO[bytes]] = []
+
+    def start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        log = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115 (closed in stop())
+        self._files.append(log)
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL)
+        self.processes[name] = process
+        return process
+
+    def log_tail(self, name: str, lines: int = 5) -> str:
+        text = (self.logs / f"{name}.log").read_text(errors="replace").strip().splitlines()
+        return " | ".join(text[-lines:])
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        deadline = time.monotonic() + grace_s
+        for name in sorted(self.processes, key=lambda n: n == "controller"):
+            process = self.processes[name]
+            if process.poll() is None and name == "controller":
+                process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for f in self._files:
+            f.close()
+
+
+def _wait_for_port(job: LocalJob, port_file: Path, timeout_s: float = 60.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    controller = job.processes["controller"]
+    while time.monotonic() < deadline:
+        if port_file.exists():
+            return int(port_file.read_text())
+        if controller.poll() is not None:
+            raise LaunchError(f"the controller exited with code {controller.returncode}: "
+                              f"{job.log_tail('controller')}")
+        time.sleep(0.05)
+    raise LaunchError(f"the controller did not start listening within {timeout_s:.0f}s")
+
+
+class Progress:
+    """One live status line on a terminal; periodic lines otherwise. Events go above it."""
+
+    def __init__(self, enabled: bool, stream: IO[str] = sys.stderr) -> None:
+        self.enabled = enabled
+        self.stream = stream
+        self.tty = stream.isatty()
+        self._last_line = 0.0
+        self._width = 0
+
+    def event(self, event: pb.Event) -> None:
+        if self.enabled and event.kind in SHOWN_EVENTS:
+            self._clear()
+            print(inspect.format_event(event), file=self.stream, flush=True)
+
+    def status(self, status: pb.JobStatus) -> None:
+        if not self.enabled or status.state == "waiting":
+            return
+        load = " ".join(f"{e.replica}:{e.microbatches}" for e in status.load)
+        line = (f"step {status.steps_committed}/{status.steps_total}  loss {status.last_loss:.4f}"
+                f"  gen {status.generation}  live {len(status.live_replicas)}  "
+                f"microbatches [{load}]  recoveries {status.recoveries}  {status.elapsed_s:.1f}s")
+        if self.tty:
+            self._clear()
+            self.stream.write(line)
+            self.stream.flush()
+            self._width = len(line)
+        elif time.monotonic() - self._last_line > 2.0 or status.state in TERMINAL:
+            print(line, file=self.stream, flush=True)
+            self._last_line = time.monotonic()
+
+    def _clear(self) -> None:
+        if self.tty and self._width:
+            self.stream.write("\r" + " " * self._width + "\r")
+            self._width = 0
+
+    def done(self) -> None:
+        if self.tty and self._width:
+            self.stream.write("\n")
+            self._width = 0
+
+
+def run_local(args: argparse.Namespace) -> int:
+    job_config = job_from_args(args)
+    agents = args.agents if args.agents is not None else min(2, job_config.replicas)
+    if not 1 <= agents <= job_config.replicas:
+        raise UsageError(f"--agents must be between 1 and --replicas ({job_config.replicas})")
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--out {str(out)!r}: {exc.strerror}") from None
+    port_file = out / "controller.port"
+    port_file.unlink(missing_ok=True)
+    job = LocalJob(out)
+    progress = Progress(enabled=not args.quiet)
+    python = sys.executable
+    started = time.monotonic()
+    try:
+        job.start("controller", [python, "-m", "recover.cli.main", "controller",
+                                 *job_to_args(job_config), "--port", "0",
+                                 "--port-file", str(port_file)])
+        address = f"127.0.0.1:{_wait_for_port(job, port_file)}"
+        for index, slots in enumerate(split_slots(job_config.replicas, agents)):
+            job.start(f"agent-{index}", [
+                python, "-m", "recover.cli.main", "agent", "--controller", address,
+                "--slots", str(slots), "--agent-id", f"host{index}",
+                "--log-dir", str(job.logs), "--", python, "-m", "recover.trainer.worker"])
+        print(f"recover run: job {job_config.job_id}, {job_config.replicas} replicas on {agents} "
+              f"agents, controller {address}, logs in {job.logs}", file=sys.stderr)
+        report = _watch(job, address, progress)
+        summary = build_summary(report, time.monotonic() - started)
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        progress.done()
+        print(format_summary(summary))
+        print(f"summary: {out / 'summary.json'}")
+        if summary["state"] != "succeeded":
+            print(f"recover run: training failed: {summary['reason']}", file=sys.stderr)
+            return 1
+        return 0
+    except LaunchError as exc:
+        progress.done()
+        print(f"recover run: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        progress.done()
+        print("recover run: interrupted; stopping the job", file=sys.stderr)
+        return 130
+    finally:
+        job.stop()
+        port_file.unlink(missing_ok=True)
+
+
+def _watch(job: LocalJob, address: str, progress: Progress) -> pb.RunReport:
+    try:
+        channel, stub = inspect.connect(address, timeout_s=30)
+    except inspect.ControllerUnreachable as exc:
+        raise LaunchError(str(exc)) from None
+    controller = job.processes["controller"]
+    after = 0
+    try:
+        while True:
+            if controller.poll() is not None:
+                raise LaunchError(f"the controller died (exit code {controller.returncode}): "
+                                  f"{job.log_tail('controller')}")
+            try:
+                for event in stub.Events(pb.EventsRequest(after_seq=after), timeout=5).events:
+                    progress.event(event)
+                    after = event.seq
+                status = stub.Status(pb.StatusRequest(), timeout=5)
+            except grpc.RpcError:
+                time.sleep(0.1)
+                continue
+            progress.status(status)
+            if status.state in TERMINAL:
+                return stub.Report(pb.ReportRequest(), timeout=10)
+            if status.state == "waiting":
+                dead = [n for n, p in job.processes.items() if p.poll() is not None]
+                if dead:
+                    raise LaunchError(f"{dead[0]} exited before training started: "
+                                      f"{job.log_tail(dead[0])}")
+            time.sleep(0.2)
+    finally:
+        channel.close()

@@ -1,0 +1,137 @@
+"""`recover`: one console script, one subcommand per role.
+
+    recover run         all-in-one local job (controller + agents + workers)
+    recover controller  the central controller of a job
+    recover agent       one per host: runs that host's workers
+    recover status      a running job's state
+    recover events      a running job's event log
+
+User mistakes end in one line on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from recover.cli.jobargs import Parser, UsageError, add_job_arguments, job_from_args, parse_address
+
+DEFAULT_WORKER = [sys.executable, "-m", "recover.trainer.worker"]
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="recover", description="Fault-tolerant data-parallel training that keeps "
+                    "every step's global batch intact.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    sub.required = True
+
+    run = sub.add_parser("run", help="train locally: controller, agents and workers on this machine")
+    add_job_arguments(run)
+    run.add_argument("--agents", type=int, default=None,
+                     help="agents (emulated hosts) to spread the replicas over (default: 2)")
+    run.add_argument("--out", default="runs/latest", help="where summary.json and logs go")
+    run.add_argument("--quiet", action="store_true", help="no live progress display")
+
+    ctl = sub.add_parser("controller", help="run the controller of a job")
+    add_job_arguments(ctl)
+    ctl.add_argument("--host", default="127.0.0.1", help="address to listen on and advertise")
+    ctl.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
+    ctl.add_argument("--port-file", default=None, help="write the chosen port here")
+    ctl.add_argument("--store", default="memory://", help="state store URL (memory://)")
+    ctl.add_argument("--agent-timeout", type=float, default=3.0,
+                     help="seconds of heartbeat silence before an agent is declared lost")
+    ctl.add_argument("--start-timeout", type=float, default=120.0,
+                     help="seconds to wait for every replica to be ready")
+    ctl.add_argument("--linger", type=float, default=None,
+                     help="exit this many seconds after the job ends (default: keep serving)")
+
+    agent = sub.add_parser("agent", help="run one host's workers",
+                           usage="recover agent --controller HOST:PORT --slots N [-- COMMAND ...]")
+    agent.add_argument("--controller", required=True, help="HOST:PORT of the controller")
+    agent.add_argument("--slots", type=int, default=1, help="worker slots on this host")
+    agent.add_argument("--agent-id", default=None, help="unique name (default: host + random)")
+    agent.add_argument("--log-dir", default=None, help="write worker output to LOG_DIR/replica-N.log")
+    agent.add_argument("--connect-timeout", type=float, default=10.0)
+    agent.add_argument("worker_command", nargs=argparse.REMAINDER,
+                       help="after --: the worker command (default: the reference GPT worker)")
+
+    for name, helptext in (("status", "show a running job's state"),
+                           ("events", "show a running job's events")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("--controller", default="127.0.0.1:50051", help="HOST:PORT")
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+        if name == "events":
+            p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
+    return parser
+
+
+def _run_controller(args: argparse.Namespace) -> int:
+    from recover.common import logs
+    from recover.controller.server import ControllerConfig, serve
+    from recover.controller.store import StoreError, open_store
+
+    job = job_from_args(args)
+    if not 0 <= args.port < 65536:
+        raise UsageError(f"--port {args.port} is not a port number")
+    try:
+        open_store(args.store)
+    except StoreError as exc:
+        raise UsageError(str(exc)) from None
+    logs.configure("controller")
+    config = ControllerConfig(host=args.host, port=args.port, port_file=args.port_file,
+                              store_url=args.store, agent_timeout_s=args.agent_timeout,
+                              start_timeout_s=args.start_timeout, linger_s=args.linger)
+    try:
+        return asyncio.run(serve(config, job))
+    except OSError as exc:
+        print(f"recover controller: {exc}", file=sys.stderr)
+        return 1
+
+
+def _run_agent(args: argparse.Namespace) -> int:
+    from recover.agent.daemon import Agent, AgentConfig, AgentError
+    from recover.common import logs
+
+    parse_address(args.controller)
+    if args.slots < 1:
+        raise UsageError(f"--slots must be at least 1, got {args.slots}")
+    command = args.worker_command[1:] if args.worker_command[:1] == ["--"] else args.worker_command
+    logs.configure("agent")
+    config = AgentConfig(controller=args.controller, slots=args.slots,
+                         command=command or DEFAULT_WORKER, log_dir=args.log_dir,
+                         connect_timeout_s=args.connect_timeout,
+                         **({"agent_id": args.agent_id} if args.agent_id else {}))
+    try:
+        return asyncio.run(Agent(config).run())
+    except AgentError as exc:
+        print(f"recover agent: {exc}", file=sys.stderr)
+        return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command == "run":
+            from recover.cli.launcher import run_local
+
+            return run_local(args)
+        if args.command == "controller":
+            return _run_controller(args)
+        if args.command == "agent":
+            return _run_agent(args)
+        from recover.cli import inspect
+
+        parse_address(args.controller)
+        return inspect.main(args)
+    except UsageError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("recover: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Turn the controller's run report into `summary.json` and a short text summary."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from recover.proto import pb
+
+
+def agreed_digest(record: pb.StepRecord) -> str | None:
+    """The parameter digest all replicas reported after a step, or None if they disagree."""
+    digests = {d.param_sha256 for d in record.param_sha256}
+    return digests.pop() if len(digests) == 1 else None
+
+
+def failure_entry(failure: pb.FailureRecord, started_at: float) -> dict[str, Any]:
+    """One failure, with latencies measured from the kill when its time is known.
+
+    detected_s: kill -> controller knows (None when the kill was not injected,
+    so its time is unknown). recovered_s: kill (else detection) -> every
+    survivor computes again in the new generation (None if it never did).
+    """
+    origin = failure.killed_at or failure.detected_at
+    return {
+        "step": failure.step,
+        "replica": failure.replica,
+        "phase": failure.phase,
+        "cause": failure.cause,
+        "generation": failure.generation,
+        "at_s": round(failure.detected_at - started_at, 4) if started_at else None,
+        "detected_s": round(failure.detected_at - failure.killed_at, 4)
+        if failure.killed_at else None,
+        "recovered_s": round(failure.recovered_at - origin, 4) if failure.recovered_at else None,
+    }
+
+
+def build_summary(report: pb.RunReport, wall_s: float) -> dict[str, Any]:
+    steps = list(report.steps)
+    per_replica = [
+        {str(d.replica): d.param_sha256 for d in record.param_sha256} for record in steps]
+    return {
+        "job_id": report.job.job_id,
+        "state": report.status.state,
+        "reason": report.status.reason,
+        "replicas": report.job.replicas,
+        "live_replicas": list(report.status.live_replicas),
+        "reduce": report.job.reduce,
+        "seed": report.job.seed,
+        "steps_requested": report.job.steps,
+        "steps_committed": len(steps),
+        "global_microbatches": report.job.global_microbatches,
+        "microbatch_size": report.job.microbatch_size,
+        "microbatches_per_step": [record.microbatches for record in steps],
+        "sample_digest_per_step": [record.sample_digest for record in steps],
+        "loss_per_step": [record.loss for record in steps],
+        "generation_per_step": [record.generation for record in steps],
+        "param_sha256_per_step": [agreed_digest(record) for record in steps],
+        "param_sha256_by_replica_per_step": per_replica,
+        "param_sha256": agreed_digest(steps[-1]) if steps else None,
+        "failures": [failure_entry(f, report.started_at) for f in report.failures],
+        "recoveries": report.status.recoveries,
+        "wall_s": round(wall_s, 3),
+        "train_s": round(report.finished_at - report.started_at, 3)
+        if report.finished_at and report.started_at else None,
+        "tokens": sum(record.tokens for record in steps),
+    }
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    losses = summary["loss_per_step"]
+    failures = summary["failures"]
+    phases = Counter(f["phase"] for f in failures)
+    recovered = [f["recovered_s"] for f in failures if f["recovered_s"] is not None]
+    lines = [
+        f"{summary['state']}: {summary['steps_committed']}/{summary['steps_requested']} steps, "
+        f"{summary['global_microbatches']} microbatches each"
+        + (f" ({summary['reason']})" if summary["state"] != "succeeded" else ""),
+    ]
+    if losses:
+        lines.append(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    lines.append(
+        f"{len(failures)} failures" + (f" ({', '.join(f'{n} {p}' for p, n in phases.items())})"
+                                       if failures else "")
+        + (f", recovered in {min(recovered):.3f}-{max(recovered):.3f}s" if recovered else ""))
+    lines.append(f"{len(summary['live_replicas'])} of {summary['replicas']} replicas left; "
+                 f"{summary['tokens']} tokens in {summary['wall_s']:.1f}s")
+    if summary["param_sha256"]:
+        lines.append(f"final parameters sha256 {summary['param_sha256'][:16]}...")
+    return "\n".join(lines)

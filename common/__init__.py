@@ -1,0 +1,1 @@
+"""Small pieces every layer shares (logging); imports nothing else of ReCoVer."""

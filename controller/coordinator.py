@@ -1,0 +1,399 @@
+"""The controller's brain: membership, generations, per-step plans, commits.
+
+Single-threaded by construction: the gRPC layer calls one method at a time
+(under a lock) and hands the coordinator a `send(agent_id, message)`
+function; the coordinator never touches sockets, which keeps it testable
+without a network.
+
+Commit protocol (DESIGN.md, layer 2): a step commits only when every member
+of the current generation reported "step t reduced in generation g"; the
+record is written to the store *before* the members are told to apply it. A
+failure before that makes a new generation in which the survivors keep their
+accumulated microbatches, take the lost ones, and reduce again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import struct
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from recover.controller import policy
+from recover.controller.events import EventLog
+from recover.controller.store import Store
+from recover.proto import pb
+
+log = logging.getLogger("recover.controller")
+
+Send = Callable[[str, pb.ControllerMessage], None]
+
+
+class JobState(StrEnum):
+    """Lifecycle of the job.
+
+    WAITING -> RUNNING    every expected replica attached and reported ready
+    WAITING -> FAILED     a worker exited before training started, or start timed out
+    RUNNING -> SUCCEEDED  every live replica applied the final step
+    RUNNING -> FAILED     no live replica left, or a commit broke the invariant
+    """
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+
+TERMINAL = (JobState.SUCCEEDED, JobState.FAILED)
+
+
+class RegistrationRefused(Exception):
+    """An agent asked to join a job that cannot take it; the message says why."""
+
+
+@dataclass
+class ReplicaInfo:
+    replica_id: int
+    agent_id: str
+    ready: bool = False
+    alive: bool = True
+    pid: int = 0
+
+
+@dataclass
+class AgentInfo:
+    agent_id: str
+    host: str
+    replicas: list[int]
+    last_heartbeat: float
+    alive: bool = True
+
+
+def sample_digest(sample_ids: Iterable[int]) -> str:
+    """Ledger entry of a step: sha256 of its sorted sample ids as little-endian int64."""
+    ids = sorted(sample_ids)
+    return hashlib.sha256(struct.pack(f"<{len(ids)}q", *ids)).hexdigest()
+
+
+@dataclass
+class _StepProgress:
+    """What the current, uncommitted step has gathered in the current generation."""
+
+    reduced: dict[int, pb.Reduced] = field(default_factory=dict)
+    resumed: dict[int, float] = field(default_factory=dict)
+
+
+class Coordinator:
+    def __init__(
+        self,
+        job: pb.JobConfig,
+        store: Store,
+        send: Send,
+        rendezvous: str,
+        *,
+        agent_timeout_s: float = 3.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.job = job
+        self._store = store
+        self._send = send
+        self._rendezvous = rendezvous
+        self._agent_timeout_s = agent_timeout_s
+        self._clock = clock
+        self._prefix = f"/recover/{job.job_id}/"
+        self.events = EventLog(store, self._prefix + "events/", clock)
+        self.state = JobState.WAITING
+        self.reason = ""
+        self.agents: dict[str, AgentInfo] = {}
+        self.replicas: dict[int, ReplicaInfo] = {}
+        self.generation = 0
+        self.members: list[int] = []
+        self.step = 0
+        self.plan: dict[int, tuple[int, ...]] = {}
+        self._progress = _StepProgress()
+        self.steps: list[pb.StepRecord] = []
+        self.failures: list[pb.FailureRecord] = []
+        self._unrecovered: list[pb.FailureRecord] = []
+        self.recoveries = 0
+        self.stale_reports = 0
+        self.created_at = clock()
+        self.started_at = 0.0
+        self.finished_at = 0.0
+        self.done = asyncio.Event()
+
+    # ------------------------------------------------------------ agents
+
+    async def register_agent(self, agent_id: str, host: str, slots: int) -> list[int]:
+        if self.state is not JobState.WAITING:
+            raise RegistrationRefused(
+                f"job {self.job.job_id} is {self.state}; replicas cannot join a started job yet"
+            )
+        if agent_id in self.agents:
+            raise RegistrationRefused(f"agent id {agent_id!r} is already registered")
+        if slots < 1:
+            raise RegistrationRefused(f"an agent needs at least one slot, got {slots}")
+        free = self.job.replicas - len(self.replicas)
+        if slots > free:
+            raise RegistrationRefused(
+                f"job needs {self.job.replicas} replicas and has {len(self.replicas)}; "
+                f"{slots} more slots do not fit"
+            )
+        first = len(self.replicas)
+        ids = list(range(first, first + slots))
+        self.agents[agent_id] = AgentInfo(agent_id, host, ids, self._clock())
+        for replica in ids:
+            self.replicas[replica] = ReplicaInfo(replica, agent_id)
+        self.events.emit("agent-registered", f"agent {agent_id} on {host}: replicas {ids}")
+        self._send(agent_id, pb.ControllerMessage(
+            registered=pb.Registered(replica_ids=ids, job=self.job)))
+        await self._store.put(self._prefix + "job", self.job.SerializeToString())
+        return ids
+
+    def heartbeat(self, agent_id: str) -> None:
+        agent = self.agents.get(agent_id)
+        if agent is not None:
+            agent.last_heartbeat = self._clock()
+
+    async def agent_lost(self, agent_id: str, why: str) -> None:
+        agent = self.agents.get(agent_id)
+        if agent is None or not agent.alive:
+            return
+        agent.alive = False
+        if self.state in TERMINAL:
+            return
+        self.events.emit("agent-lost", f"agent {agent_id}: {why}", level=logging.WARNING)
+        lost = [r for r in agent.replicas if self.replicas[r].alive]
+        for replica in lost:
+            self._record_failure(replica, "agent-lost", None)
+        await self._lose(lost, f"agent {agent_id} lost ({why})")
+
+    async def check_liveness(self) -> None:
+        """Declare agents whose heartbeats went silent lost."""
+        now = self._clock()
+        for agent in list(self.agents.values()):
+            silent = now - agent.last_heartbeat
+            if agent.alive and silent > self._agent_timeout_s:
+                await self.agent_lost(agent.agent_id, f"no heartbeat for {silent:.1f}s")
+        if self.state is JobState.WAITING and now - self.created_at > self.start_timeout_s:
+            ready = sum(r.ready for r in self.replicas.values())
+            await self._fail(
+                f"only {ready} of {self.job.replicas} replicas were ready after "
+                f"{self.start_timeout_s:.0f}s (are the agents running?)"
+            )
+
+    start_timeout_s: float = 120.0
+
+    # ------------------------------------------------------------ worker reports
+
+    async def worker_ready(self, replica: int, ready: pb.Ready) -> None:
+        info = self.replicas.get(replica)
+        if info is None or not info.alive or self.state is not JobState.WAITING:
+            self.stale_reports += 1
+            return
+        info.ready, info.pid = True, ready.pid
+        self.events.emit("replica-ready", f"pid {ready.pid}, params {ready.param_sha256[:12]}",
+                         replica=replica)
+        if len(self.replicas) == self.job.replicas and all(
+                r.ready for r in self.replicas.values()):
+            await self._start()
+
+    async def worker_exited(self, exited: pb.WorkerExited) -> None:
+        info = self.replicas.get(exited.replica)
+        if info is None or not info.alive:
+            return
+        how = f"signal {exited.signal}" if exited.signal else f"exit code {exited.exit_code}"
+        cause = "injected" if exited.HasField("fault") else "external"
+        self._record_failure(exited.replica, cause, exited)
+        if self.state is JobState.WAITING:
+            info.alive = False
+            await self._fail(f"replica {exited.replica} exited ({how}) before training started")
+            return
+        await self._lose([exited.replica], f"replica {exited.replica} exited ({how})")
+
+    async def resumed(self, replica: int, msg: pb.Resumed) -> None:
+        if msg.generation != self.generation or replica not in self.members:
+            self.stale_reports += 1
+            return
+        self._progress.resumed[replica] = msg.at
+        if self._unrecovered and set(self._progress.resumed) >= set(self.members):
+            at = max(self._progress.resumed.values())
+            for failure in self._unrecovered:
+                failure.recovered_at = at
+            self.events.emit(
+                "recovered",
+                f"all {len(self.members)} survivors compute again in generation "
+                f"{self.generation}, {at - self._unrecovered[0].detected_at:.3f}s after detection",
+                step=self.step, generation=self.generation)
+            self._unrecovered.clear()
+
+    async def reduced(self, replica: int, msg: pb.Reduced) -> None:
+        if (self.state is not JobState.RUNNING or msg.generation != self.generation
+                or msg.step != self.step or replica not in self.members):
+            # Fencing: a report from an older generation or step must not count.
+            self.stale_reports += 1
+            return
+        self._progress.reduced[replica] = msg
+        if set(self._progress.reduced) >= set(self.members):
+            await self._commit()
+
+    async def applied(self, replica: int, msg: pb.Applied) -> None:
+        if not 0 <= msg.step < len(self.steps):
+            self.stale_reports += 1
+            return
+        record = self.steps[msg.step]
+        record.param_sha256.append(pb.ReplicaDigest(replica=replica, param_sha256=msg.param_sha256))
+        digests = {d.param_sha256 for d in record.param_sha256}
+        if len(digests) > 1:
+            self.events.emit("divergence", f"replicas disagree on parameters after step {msg.step}",
+                             step=msg.step, level=logging.ERROR)
+        await self._maybe_finish()
+
+    # ------------------------------------------------------------ transitions
+
+    async def _start(self) -> None:
+        self.state = JobState.RUNNING
+        self.started_at = self._clock()
+        members = sorted(self.replicas)
+        decision = policy.uniform_plan(members, self.job.global_microbatches)
+        self.events.emit("started", f"{len(members)} replicas; {decision.reason}")
+        await self._new_generation(members, decision)
+
+    async def _new_generation(self, members: list[int], decision: policy.PlanDecision) -> None:
+        self.generation += 1
+        self.members = members
+        self.plan = dict(decision.assignment)
+        self._progress = _StepProgress()
+        view = pb.GenerationView(
+            generation=self.generation, members=members, rendezvous=self._rendezvous,
+            plan=self._plan_message(self.step, decision))
+        await self._store.put(self._prefix + "generation", view.SerializeToString())
+        self.events.emit("generation", f"members {members}; {decision.reason}",
+                         step=self.step, generation=self.generation)
+        self._broadcast(pb.ControllerMessage(generation=view))
+
+    async def _lose(self, lost: list[int], why: str) -> None:
+        for replica in lost:
+            self.replicas[replica].alive = False
+        if self.state in TERMINAL or not lost:
+            return
+        if self.state is JobState.WAITING:
+            await self._fail(f"{why} before training started")
+            return
+        survivors = [m for m in self.members if self.replicas[m].alive]
+        if not survivors:
+            await self._fail(f"all replicas lost (last: {why})")
+            return
+        if self.step >= self.job.steps:
+            # The final step is committed; only its acknowledgements are pending.
+            self.members = survivors
+            await self._maybe_finish()
+            return
+        self.recoveries += 1
+        decision = policy.reassign_lost(self.plan, lost, survivors)
+        await self._new_generation(survivors, decision)
+
+    async def _commit(self) -> None:
+        reports = [self._progress.reduced[m] for m in self.members]
+        assignment = {m: tuple(r.microbatch_ids) for m, r in zip(self.members, reports)}
+        problem = policy.check_plan(assignment, self.job.global_microbatches)
+        if problem is not None:
+            await self._fail(f"refusing to commit step {self.step}: {problem}")
+            return
+        losses = {r.loss for r in reports}
+        if len(losses) > 1:
+            self.events.emit("loss-mismatch", f"members reduced different losses {sorted(losses)}",
+                             step=self.step, generation=self.generation, level=logging.WARNING)
+        job = self.job
+        record = pb.StepRecord(
+            step=self.step, generation=self.generation,
+            microbatches=sum(len(r.microbatch_ids) for r in reports),
+            sample_digest=sample_digest(s for r in reports for s in r.sample_ids),
+            loss=reports[0].loss, committed_at=self._clock(),
+            tokens=job.global_microbatches * job.microbatch_size * job.model.seq_len)
+        # Durable before anyone applies: a new leader must know this step committed.
+        await self._store.put(f"{self._prefix}steps/{self.step:010d}", record.SerializeToString())
+        self.steps.append(record)
+        step, self.step = self.step, self.step + 1
+        final = self.step >= job.steps
+        commit = pb.Commit(step=step, generation=self.generation, final=final)
+        if not final:
+            decision = policy.uniform_plan(self.members, job.global_microbatches)
+            self.plan = dict(decision.assignment)
+            commit.next_plan.CopyFrom(self._plan_message(self.step, decision))
+        self._progress.reduced.clear()
+        self._broadcast(pb.ControllerMessage(commit=commit))
+
+    async def _maybe_finish(self) -> None:
+        if self.state is not JobState.RUNNING or self.step < self.job.steps:
+            return
+        last = self.steps[-1]
+        applied = {d.replica for d in last.param_sha256}
+        if set(self.members) <= applied:
+            self.state = JobState.SUCCEEDED
+            self.finished_at = self._clock()
+            self.reason = f"{len(self.steps)} steps committed"
+            self.events.emit("succeeded", self.reason)
+            await self._end(success=True)
+
+    async def _fail(self, reason: str) -> None:
+        if self.state in TERMINAL:
+            return
+        self.state = JobState.FAILED
+        self.reason = reason
+        self.finished_at = self._clock()
+        self.events.emit("failed", reason, step=self.step, generation=self.generation,
+                         level=logging.ERROR)
+        await self._end(success=False)
+
+    async def _end(self, success: bool) -> None:
+        shutdown = pb.ControllerMessage(shutdown=pb.Shutdown(reason=self.reason, success=success))
+        for agent in self.agents.values():
+            if agent.alive:
+                self._send(agent.agent_id, shutdown)
+        await self.events.flush()
+        self.done.set()
+
+    # ------------------------------------------------------------ helpers
+
+    def now(self) -> float:
+        return self._clock()
+
+    def _broadcast(self, message: pb.ControllerMessage) -> None:
+        """Send to every live agent that hosts a member of the current generation."""
+        targets = {self.replicas[m].agent_id for m in self.members}
+        for agent_id in sorted(targets):
+            if self.agents[agent_id].alive:
+                self._send(agent_id, message)
+
+    def _plan_message(self, step: int, decision: policy.PlanDecision) -> pb.Plan:
+        return pb.Plan(
+            step=step, generation=self.generation, reason=decision.reason,
+            assignments=[pb.Assignment(replica=r, microbatch_ids=ids)
+                         for r, ids in decision.assignment.items()])
+
+    def _observed_phase(self, replica: int) -> str:
+        if self.state is JobState.WAITING:
+            return "startup"
+        if replica not in self._progress.resumed:
+            return "rebuild"
+        return "commit" if replica in self._progress.reduced else "compute"
+
+    def _record_failure(self, replica: int, cause: str, exited: pb.WorkerExited | None) -> None:
+        now = self._clock()
+        record = pb.FailureRecord(
+            step=self.step, replica=replica, cause=cause, detected_at=now,
+            generation=self.generation, phase=self._observed_phase(replica))
+        if exited is not None and exited.HasField("fault"):
+            record.phase = exited.fault.phase
+            record.killed_at = exited.fault.killed_at
+            record.step = exited.fault.step
+        self.failures.append(record)
+        if self.state is JobState.RUNNING:
+            self._unrecovered.append(record)
+        self.events.emit("replica-failed", f"{cause} failure in phase {record.phase}",
+                         step=record.step, generation=self.generation, replica=replica,
+                         level=logging.WARNING)

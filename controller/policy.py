@@ -1,0 +1,102 @@
+"""Workload policy: who computes which of the M global microbatches.
+
+Pure functions of the membership and the current plan; each returns the plan
+and a human-readable reason, so decisions can be logged, shown in events and
+tested table-style. M never changes: a plan always covers microbatches
+0..M-1 exactly once, whatever the number of live replicas.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+Assignment = dict[int, tuple[int, ...]]
+"""replica id -> the microbatch ids it computes in the step."""
+
+
+@dataclass(frozen=True)
+class PlanDecision:
+    assignment: Assignment
+    """Microbatch ids per live replica, every id in 0..M-1 exactly once."""
+    reason: str
+    """Why the plan looks the way it does, for events and logs."""
+
+
+class PolicyError(ValueError):
+    """The inputs admit no valid plan (e.g. no live replica)."""
+
+
+def uniform_plan(members: Sequence[int], global_microbatches: int) -> PlanDecision:
+    """Split M into contiguous, near-equal runs in member order.
+
+    Contiguous runs keep a replica's microbatches adjacent, which makes plans
+    easy to read; the first M mod R members take one extra.
+    """
+    if not members:
+        raise PolicyError("no live replica to plan for")
+    if global_microbatches < 1:
+        raise PolicyError(f"global microbatches must be >= 1, got {global_microbatches}")
+    if len(set(members)) != len(members):
+        raise PolicyError(f"duplicate members in {list(members)}")
+    base, extra = divmod(global_microbatches, len(members))
+    assignment: Assignment = {}
+    start = 0
+    for position, replica in enumerate(members):
+        count = base + (1 if position < extra else 0)
+        assignment[replica] = tuple(range(start, start + count))
+        start += count
+    reason = (
+        f"uniform: {global_microbatches} microbatches over {len(members)} replicas "
+        f"({base}{'-' + str(base + 1) if extra else ''} each)"
+    )
+    return PlanDecision(assignment, reason)
+
+
+def reassign_lost(
+    current: Mapping[int, Sequence[int]],
+    lost: Sequence[int],
+    survivors: Sequence[int],
+) -> PlanDecision:
+    """Keep every survivor's microbatches and hand the lost replicas' ones out.
+
+    Survivors keep what they had (they may already have accumulated it); each
+    lost microbatch goes to the survivor with the smallest load so far, which
+    under uniform throughput is the one that will finish earliest. Ties go to
+    the earlier member, so the decision is deterministic.
+    """
+    if not survivors:
+        raise PolicyError(f"replicas {sorted(lost)} lost and no survivor left")
+    unknown = [r for r in survivors if r not in current]
+    if unknown:
+        raise PolicyError(f"survivors {unknown} have no assignment in the current plan")
+    load = {r: list(current[r]) for r in survivors}
+    orphaned = sorted(mb for r in lost for mb in current.get(r, ()))
+    gains: dict[int, list[int]] = {r: [] for r in survivors}
+    order = {r: i for i, r in enumerate(survivors)}
+    for microbatch in orphaned:
+        target = min(survivors, key=lambda r: (len(load[r]), order[r]))
+        load[target].append(microbatch)
+        gains[target].append(microbatch)
+    assignment = {r: tuple(load[r]) for r in survivors}
+    if not orphaned:
+        reason = f"replicas {sorted(lost)} lost with no microbatches; plan unchanged"
+    else:
+        moves = ", ".join(
+            f"{len(ids)} to replica {r}" for r, ids in gains.items() if ids
+        )
+        reason = (
+            f"replicas {sorted(lost)} lost; their {len(orphaned)} microbatches "
+            f"reassigned to the least-loaded survivors: {moves}"
+        )
+    return PlanDecision(assignment, reason)
+
+
+def check_plan(assignment: Mapping[int, Sequence[int]], global_microbatches: int) -> str | None:
+    """Return why `assignment` breaks the invariant, or None when it covers 0..M-1 once."""
+    seen: list[int] = sorted(mb for ids in assignment.values() for mb in ids)
+    if seen != list(range(global_microbatches)):
+        missing = sorted(set(range(global_microbatches)) - set(seen))
+        duplicated = sorted({mb for mb in seen if seen.count(mb) > 1})
+        return f"plan covers the wrong microbatches: missing {missing}, duplicated {duplicated}"
+    return None

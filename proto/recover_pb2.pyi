@@ -1,0 +1,411 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ModelConfig(_message.Message):
+    __slots__ = ("vocab_size", "seq_len", "n_layer", "n_head", "n_embd", "dropout")
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    N_LAYER_FIELD_NUMBER: _ClassVar[int]
+    N_HEAD_FIELD_NUMBER: _ClassVar[int]
+    N_EMBD_FIELD_NUMBER: _ClassVar[int]
+    DROPOUT_FIELD_NUMBER: _ClassVar[int]
+    vocab_size: int
+    seq_len: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+    dropout: float
+    def __init__(self, vocab_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., n_layer: _Optional[int] = ..., n_head: _Optional[int] = ..., n_embd: _Optional[int] = ..., dropout: _Optional[float] = ...) -> None: ...
+
+class FaultSpec(_message.Message):
+    __slots__ = ("step", "replica", "phase", "microbatch")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    replica: int
+    phase: str
+    microbatch: int
+    def __init__(self, step: _Optional[int] = ..., replica: _Optional[int] = ..., phase: _Optional[str] = ..., microbatch: _Optional[int] = ...) -> None: ...
+
+class JobConfig(_message.Message):
+    __slots__ = ("job_id", "replicas", "steps", "global_microbatches", "microbatch_size", "seed", "reduce", "learning_rate", "model", "faults", "group_timeout_s", "corpus_seed")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    REDUCE_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    FAULTS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    CORPUS_SEED_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    replicas: int
+    steps: int
+    global_microbatches: int
+    microbatch_size: int
+    seed: int
+    reduce: str
+    learning_rate: float
+    model: ModelConfig
+    faults: _containers.RepeatedCompositeFieldContainer[FaultSpec]
+    group_timeout_s: float
+    corpus_seed: int
+    def __init__(self, job_id: _Optional[str] = ..., replicas: _Optional[int] = ..., steps: _Optional[int] = ..., global_microbatches: _Optional[int] = ..., microbatch_size: _Optional[int] = ..., seed: _Optional[int] = ..., reduce: _Optional[str] = ..., learning_rate: _Optional[float] = ..., model: _Optional[_Union[ModelConfig, _Mapping]] = ..., faults: _Optional[_Iterable[_Union[FaultSpec, _Mapping]]] = ..., group_timeout_s: _Optional[float] = ..., corpus_seed: _Optional[int] = ...) -> None: ...
+
+class Assignment(_message.Message):
+    __slots__ = ("replica", "microbatch_ids")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_IDS_FIELD_NUMBER: _ClassVar[int]
+    replica: int
+    microbatch_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, replica: _Optional[int] = ..., microbatch_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Plan(_message.Message):
+    __slots__ = ("step", "generation", "assignments", "reason")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNMENTS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    generation: int
+    assignments: _containers.RepeatedCompositeFieldContainer[Assignment]
+    reason: str
+    def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., assignments: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class GenerationView(_message.Message):
+    __slots__ = ("generation", "members", "rendezvous", "plan")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    members: _containers.RepeatedScalarFieldContainer[int]
+    rendezvous: str
+    plan: Plan
+    def __init__(self, generation: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., rendezvous: _Optional[str] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ...) -> None: ...
+
+class Commit(_message.Message):
+    __slots__ = ("step", "generation", "next_plan", "final")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PLAN_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    generation: int
+    next_plan: Plan
+    final: bool
+    def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., next_plan: _Optional[_Union[Plan, _Mapping]] = ..., final: _Optional[bool] = ...) -> None: ...
+
+class Shutdown(_message.Message):
+    __slots__ = ("reason", "success")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    success: bool
+    def __init__(self, reason: _Optional[str] = ..., success: _Optional[bool] = ...) -> None: ...
+
+class Ready(_message.Message):
+    __slots__ = ("param_sha256", "pid")
+    PARAM_SHA256_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    param_sha256: str
+    pid: int
+    def __init__(self, param_sha256: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class Resumed(_message.Message):
+    __slots__ = ("generation", "step", "at", "rebuild_s")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    REBUILD_S_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    step: int
+    at: float
+    rebuild_s: float
+    def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., at: _Optional[float] = ..., rebuild_s: _Optional[float] = ...) -> None: ...
+
+class Reduced(_message.Message):
+    __slots__ = ("generation", "step", "microbatch_ids", "sample_ids", "loss", "compute_s", "reduce_s")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    REDUCE_S_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    step: int
+    microbatch_ids: _containers.RepeatedScalarFieldContainer[int]
+    sample_ids: _containers.RepeatedScalarFieldContainer[int]
+    loss: float
+    compute_s: float
+    reduce_s: float
+    def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., microbatch_ids: _Optional[_Iterable[int]] = ..., sample_ids: _Optional[_Iterable[int]] = ..., loss: _Optional[float] = ..., compute_s: _Optional[float] = ..., reduce_s: _Optional[float] = ...) -> None: ...
+
+class Applied(_message.Message):
+    __slots__ = ("step", "param_sha256")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PARAM_SHA256_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    param_sha256: str
+    def __init__(self, step: _Optional[int] = ..., param_sha256: _Optional[str] = ...) -> None: ...
+
+class WorkerReport(_message.Message):
+    __slots__ = ("replica", "ready", "resumed", "reduced", "applied")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
+    REDUCED_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    replica: int
+    ready: Ready
+    resumed: Resumed
+    reduced: Reduced
+    applied: Applied
+    def __init__(self, replica: _Optional[int] = ..., ready: _Optional[_Union[Ready, _Mapping]] = ..., resumed: _Optional[_Union[Resumed, _Mapping]] = ..., reduced: _Optional[_Union[Reduced, _Mapping]] = ..., applied: _Optional[_Union[Applied, _Mapping]] = ...) -> None: ...
+
+class RegisterAgent(_message.Message):
+    __slots__ = ("agent_id", "host", "slots")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    host: str
+    slots: int
+    def __init__(self, agent_id: _Optional[str] = ..., host: _Optional[str] = ..., slots: _Optional[int] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("sent_at",)
+    SENT_AT_FIELD_NUMBER: _ClassVar[int]
+    sent_at: float
+    def __init__(self, sent_at: _Optional[float] = ...) -> None: ...
+
+class FaultNote(_message.Message):
+    __slots__ = ("step", "phase", "killed_at")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    KILLED_AT_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    phase: str
+    killed_at: float
+    def __init__(self, step: _Optional[int] = ..., phase: _Optional[str] = ..., killed_at: _Optional[float] = ...) -> None: ...
+
+class WorkerExited(_message.Message):
+    __slots__ = ("replica", "exit_code", "signal", "observed_at", "fault")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_AT_FIELD_NUMBER: _ClassVar[int]
+    FAULT_FIELD_NUMBER: _ClassVar[int]
+    replica: int
+    exit_code: int
+    signal: int
+    observed_at: float
+    fault: FaultNote
+    def __init__(self, replica: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., observed_at: _Optional[float] = ..., fault: _Optional[_Union[FaultNote, _Mapping]] = ...) -> None: ...
+
+class AgentMessage(_message.Message):
+    __slots__ = ("register", "heartbeat", "worker_exited", "report")
+    REGISTER_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    WORKER_EXITED_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    register: RegisterAgent
+    heartbeat: Heartbeat
+    worker_exited: WorkerExited
+    report: WorkerReport
+    def __init__(self, register: _Optional[_Union[RegisterAgent, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., worker_exited: _Optional[_Union[WorkerExited, _Mapping]] = ..., report: _Optional[_Union[WorkerReport, _Mapping]] = ...) -> None: ...
+
+class Registered(_message.Message):
+    __slots__ = ("replica_ids", "job")
+    REPLICA_IDS_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    replica_ids: _containers.RepeatedScalarFieldContainer[int]
+    job: JobConfig
+    def __init__(self, replica_ids: _Optional[_Iterable[int]] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ...) -> None: ...
+
+class ControllerMessage(_message.Message):
+    __slots__ = ("registered", "generation", "commit", "shutdown")
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    registered: Registered
+    generation: GenerationView
+    commit: Commit
+    shutdown: Shutdown
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., generation: _Optional[_Union[GenerationView, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
+
+class Welcome(_message.Message):
+    __slots__ = ("replica", "job")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    replica: int
+    job: JobConfig
+    def __init__(self, replica: _Optional[int] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ...) -> None: ...
+
+class WorkerCommand(_message.Message):
+    __slots__ = ("welcome", "generation", "commit", "shutdown")
+    WELCOME_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    welcome: Welcome
+    generation: GenerationView
+    commit: Commit
+    shutdown: Shutdown
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., generation: _Optional[_Union[GenerationView, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
+
+class Ack(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReplicaLoad(_message.Message):
+    __slots__ = ("replica", "microbatches")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    replica: int
+    microbatches: int
+    def __init__(self, replica: _Optional[int] = ..., microbatches: _Optional[int] = ...) -> None: ...
+
+class JobStatus(_message.Message):
+    __slots__ = ("state", "reason", "generation", "steps_committed", "steps_total", "live_replicas", "load", "recoveries", "last_loss", "tokens", "elapsed_s", "agents", "job_id")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STEPS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    STEPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    LIVE_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    RECOVERIES_FIELD_NUMBER: _ClassVar[int]
+    LAST_LOSS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    AGENTS_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    reason: str
+    generation: int
+    steps_committed: int
+    steps_total: int
+    live_replicas: _containers.RepeatedScalarFieldContainer[int]
+    load: _containers.RepeatedCompositeFieldContainer[ReplicaLoad]
+    recoveries: int
+    last_loss: float
+    tokens: int
+    elapsed_s: float
+    agents: int
+    job_id: str
+    def __init__(self, state: _Optional[str] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., steps_committed: _Optional[int] = ..., steps_total: _Optional[int] = ..., live_replicas: _Optional[_Iterable[int]] = ..., load: _Optional[_Iterable[_Union[ReplicaLoad, _Mapping]]] = ..., recoveries: _Optional[int] = ..., last_loss: _Optional[float] = ..., tokens: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., agents: _Optional[int] = ..., job_id: _Optional[str] = ...) -> None: ...
+
+class EventsRequest(_message.Message):
+    __slots__ = ("after_seq",)
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    after_seq: int
+    def __init__(self, after_seq: _Optional[int] = ...) -> None: ...
+
+class Event(_message.Message):
+    __slots__ = ("seq", "at", "kind", "step", "generation", "replica", "message")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    at: float
+    kind: str
+    step: int
+    generation: int
+    replica: int
+    message: str
+    def __init__(self, seq: _Optional[int] = ..., at: _Optional[float] = ..., kind: _Optional[str] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ..., replica: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class EventList(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[Event]
+    def __init__(self, events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ...) -> None: ...
+
+class ReplicaDigest(_message.Message):
+    __slots__ = ("replica", "param_sha256")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    PARAM_SHA256_FIELD_NUMBER: _ClassVar[int]
+    replica: int
+    param_sha256: str
+    def __init__(self, replica: _Optional[int] = ..., param_sha256: _Optional[str] = ...) -> None: ...
+
+class StepRecord(_message.Message):
+    __slots__ = ("step", "generation", "microbatches", "sample_digest", "loss", "committed_at", "param_sha256", "tokens")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_AT_FIELD_NUMBER: _ClassVar[int]
+    PARAM_SHA256_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    generation: int
+    microbatches: int
+    sample_digest: str
+    loss: float
+    committed_at: float
+    param_sha256: _containers.RepeatedCompositeFieldContainer[ReplicaDigest]
+    tokens: int
+    def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., microbatches: _Optional[int] = ..., sample_digest: _Optional[str] = ..., loss: _Optional[float] = ..., committed_at: _Optional[float] = ..., param_sha256: _Optional[_Iterable[_Union[ReplicaDigest, _Mapping]]] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class FailureRecord(_message.Message):
+    __slots__ = ("step", "replica", "phase", "cause", "killed_at", "detected_at", "recovered_at", "generation")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    KILLED_AT_FIELD_NUMBER: _ClassVar[int]
+    DETECTED_AT_FIELD_NUMBER: _ClassVar[int]
+    RECOVERED_AT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    replica: int
+    phase: str
+    cause: str
+    killed_at: float
+    detected_at: float
+    recovered_at: float
+    generation: int
+    def __init__(self, step: _Optional[int] = ..., replica: _Optional[int] = ..., phase: _Optional[str] = ..., cause: _Optional[str] = ..., killed_at: _Optional[float] = ..., detected_at: _Optional[float] = ..., recovered_at: _Optional[float] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class ReportRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RunReport(_message.Message):
+    __slots__ = ("job", "status", "steps", "failures", "started_at", "finished_at")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    job: JobConfig
+    status: JobStatus
+    steps: _containers.RepeatedCompositeFieldContainer[StepRecord]
+    failures: _containers.RepeatedCompositeFieldContainer[FailureRecord]
+    started_at: float
+    finished_at: float
+    def __init__(self, job: _Optional[_Union[JobConfig, _Mapping]] = ..., status: _Optional[_Union[JobStatus, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepRecord, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[FailureRecord, _Mapping]]] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ...) -> None: ...

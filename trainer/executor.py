@@ -1,0 +1,272 @@
+"""The step executor: run my microbatches, reduce, commit on the controller's word.
+
+Inside step t a worker keeps every microbatch it has already accumulated.
+When a new generation arrives mid-step (a replica died), it drops the old
+group, rebuilds, computes the microbatches the new plan adds to its share,
+and reduces again. The reduction always works on a copy of the local
+accumulation: a failed allreduce leaves a partially reduced buffer, and the
+accumulation must survive it untouched. The optimizer step happens only on
+the controller's commit, so no replica can apply a step another did not.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from recover.proto import pb
+from recover.trainer.channel import AgentChannel
+from recover.trainer.collectives import CollectiveAborted, GenerationGroup, GroupSpec
+from recover.trainer.data import SyntheticCorpus, microbatch_sample_ids, microbatch_seed
+from recover.trainer.faults import FaultInjector
+from recover.trainer.model import parameter_digest
+
+log = logging.getLogger("recover.trainer")
+
+ORPHAN_WAIT_S = 60.0
+"""How long a worker whose group failed waits for a new generation before giving up."""
+
+
+class TrainingEnded(Exception):
+    """The controller ended the job (shutdown)."""
+
+    def __init__(self, shutdown: pb.Shutdown) -> None:
+        super().__init__(shutdown.reason)
+        self.shutdown = shutdown
+
+
+@dataclass
+class StepState:
+    """What this worker holds of the current, uncommitted step."""
+
+    step: int
+    assigned: list[int] = field(default_factory=list)
+    """My microbatches in the latest plan of this step (a superset of `done`)."""
+    original: set[int] = field(default_factory=set)
+    """My microbatches in the step's first plan: the rest were reassigned to me."""
+    done: list[int] = field(default_factory=list)
+    """Microbatches already accumulated into the parameters' .grad, in order."""
+    sample_ids: list[int] = field(default_factory=list)
+    loss_sum: float = 0.0
+    reduced: torch.Tensor | None = None
+    """The reduced gradient (a copy) awaiting the commit."""
+    compute_s: float = 0.0
+
+
+class StepExecutor:
+    def __init__(self, job: pb.JobConfig, replica: int, channel: AgentChannel,
+                 model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 corpus: SyntheticCorpus) -> None:
+        self.job = job
+        self.replica = replica
+        self.channel = channel
+        self.model = model
+        self.optimizer = optimizer
+        self.corpus = corpus
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.faults = FaultInjector(job.faults, replica, channel.note_fault)
+        self.generation = 0
+        self.members: list[int] = []
+        self.group: GenerationGroup | None = None
+        self.state = StepState(step=0)
+        self.finished = False
+        # Guards the hand-over between the receiver thread (which learns of new
+        # generations first) and the main thread (which owns the group).
+        self._group_lock = threading.Lock()
+        self._newest_seen = 0
+        channel.set_generation_hook(self._on_generation_seen)
+
+    # ------------------------------------------------------------ abort path
+
+    def _on_generation_seen(self, generation: int) -> None:
+        """Receiver thread: a newer generation makes the current group's collectives moot."""
+        with self._group_lock:
+            self._newest_seen = max(self._newest_seen, generation)
+            if self.group is not None and self.group.spec.generation < generation:
+                self.group.abort()
+
+    def _install_group(self, group: GenerationGroup | None) -> None:
+        with self._group_lock:
+            old, self.group = self.group, group
+            if group is not None and self._newest_seen > group.spec.generation:
+                group.abort()  # the view was superseded before we even started
+        if old is not None:
+            old.abort()
+            old.close()
+
+    # ------------------------------------------------------------ main loop
+
+    def run(self) -> pb.Shutdown:
+        self.channel.send(pb.WorkerReport(ready=pb.Ready(
+            param_sha256=parameter_digest(self.model), pid=os.getpid())))
+        try:
+            while True:
+                command = self.channel.poll() if self._has_work() else \
+                    self.channel.next_command(ORPHAN_WAIT_S)
+                if command is not None:
+                    self._handle(command)
+                elif self._has_work():
+                    self._work()
+                elif self.group is None and self.generation > 0 and not self.finished:
+                    raise RuntimeError(f"no new generation {ORPHAN_WAIT_S:.0f}s after the group "
+                                       f"of generation {self.generation} failed")
+        except TrainingEnded as ended:
+            return ended.shutdown
+        finally:
+            self._install_group(None)
+
+    def _has_work(self) -> bool:
+        s = self.state
+        return (self.group is not None and not self.finished
+                and (len(s.done) < len(s.assigned) or s.reduced is None))
+
+    def _handle(self, command: pb.WorkerCommand) -> None:
+        kind = command.WhichOneof("kind")
+        if kind == "generation":
+            self._enter_generation(command.generation)
+        elif kind == "commit":
+            self._apply_commit(command.commit)
+        elif kind == "shutdown":
+            raise TrainingEnded(command.shutdown)
+
+    def _work(self) -> None:
+        s = self.state
+        if len(s.done) < len(s.assigned):
+            self._compute(s.assigned[len(s.done)])
+        else:
+            self._reduce()
+
+    # ------------------------------------------------------------ transitions
+
+    def _enter_generation(self, view: pb.GenerationView) -> None:
+        if view.generation <= self.generation:
+            return  # fenced: an older view never replaces a newer one
+        recovering = self.generation > 0
+        self.generation, self.members = view.generation, list(view.members)
+        plan = view.plan
+        if plan.step != self.state.step:
+            raise RuntimeError(f"generation {view.generation} plans step {plan.step} but this "
+                               f"worker is at step {self.state.step}")
+        self._adopt_plan(plan)
+        self.state.reduced = None  # reduced in an older generation: discard, reduce again
+        started = time.monotonic()
+        host, _, port = view.rendezvous.rpartition(":")
+        group = GenerationGroup(GroupSpec(
+            generation=view.generation, rank=self.members.index(self.replica),
+            world_size=len(self.members), store_host=host, store_port=int(port),
+            timeout_s=self.job.group_timeout_s or 30.0))
+        self._install_group(group)
+        if recovering and self.faults.armed(self.state.step, "rebuild"):
+            self.faults.fire_soon(self.state.step, "rebuild")
+        try:
+            group.connect()
+        except CollectiveAborted as exc:
+            log.warning("rebuild of generation %d aborted: %s", view.generation, exc,
+                        extra=self._ctx())
+            self._install_group(None)
+            return
+        self.channel.send(pb.WorkerReport(resumed=pb.Resumed(
+            generation=view.generation, step=self.state.step, at=time.time(),
+            rebuild_s=time.monotonic() - started)))
+        log.info("generation %d: %d members, my microbatches %s", view.generation,
+                 len(self.members), self.state.assigned, extra=self._ctx())
+
+    def _adopt_plan(self, plan: pb.Plan) -> None:
+        mine = next((list(a.microbatch_ids) for a in plan.assignments if a.replica == self.replica),
+                    [])
+        s = self.state
+        missing = [mb for mb in s.done if mb not in mine]
+        if missing:
+            raise RuntimeError(f"plan of step {plan.step} drops microbatches {missing} this "
+                               "worker already accumulated")
+        # Done first, in order, so `assigned[len(done):]` is exactly what is left.
+        s.assigned = s.done + [mb for mb in mine if mb not in s.done]
+        if not s.original:
+            s.original = set(mine)
+
+    def _compute(self, microbatch: int) -> None:
+        s, job = self.state, self.job
+        started = time.perf_counter()
+        position = len(s.done)
+        if microbatch not in s.original and self.faults.armed(s.step, "recompute"):
+            self.faults.fire(s.step, "recompute")
+        ids = microbatch_sample_ids(job.seed, s.step, microbatch, job.microbatch_size,
+                                    self.corpus.config.num_sequences)
+        inputs, targets = self.corpus.batch(ids)
+        # Dropout draws from the global RNG: seeding it per microbatch makes the
+        # gradient a function of (seed, step, microbatch) alone, whoever computes it.
+        torch.manual_seed(microbatch_seed(job.seed, s.step, microbatch, "dropout"))
+        _, loss = self.model(inputs, targets)
+        assert loss is not None
+        count = len(s.original) or len(s.assigned)
+        if self.faults.armed(s.step, "forward", position, count):
+            self.faults.fire(s.step, "forward")
+        hook = None
+        if self.faults.armed(s.step, "backward", position, count):
+            middle = self.params[len(self.params) // 2]
+            hook = middle.register_hook(lambda grad: self.faults.fire(s.step, "backward"))
+        loss.backward()
+        if hook is not None:
+            hook.remove()
+        s.done.append(microbatch)
+        s.sample_ids.extend(ids)
+        s.loss_sum += float(loss.detach())
+        s.compute_s += time.perf_counter() - started
+
+    def _reduce(self) -> None:
+        s, group = self.state, self.group
+        assert group is not None
+        started = time.perf_counter()
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        # A copy: an interrupted allreduce leaves its buffer partially reduced,
+        # and the local accumulation must survive for the next generation.
+        flat = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor([s.loss_sum])])
+        if self.faults.armed(s.step, "reduce"):
+            self.faults.fire_soon(s.step, "reduce")
+        try:
+            group.allreduce_sum_(flat)
+        except CollectiveAborted as exc:
+            log.warning("reduction of step %d aborted: %s", s.step, exc, extra=self._ctx())
+            self._install_group(None)
+            return
+        flat.div_(self.job.global_microbatches)
+        s.reduced = flat
+        self.channel.send(pb.WorkerReport(reduced=pb.Reduced(
+            generation=self.generation, step=s.step, microbatch_ids=s.done,
+            sample_ids=s.sample_ids, loss=float(flat[-1]), compute_s=s.compute_s,
+            reduce_s=time.perf_counter() - started)))
+        if self.faults.armed(s.step, "commit"):
+            self.faults.fire(s.step, "commit")
+
+    def _apply_commit(self, commit: pb.Commit) -> None:
+        s = self.state
+        if commit.generation != self.generation or commit.step != s.step or s.reduced is None:
+            raise RuntimeError(
+                f"commit of step {commit.step} in generation {commit.generation} does not match "
+                f"this worker (step {s.step}, generation {self.generation}, "
+                f"reduced={s.reduced is not None})")
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            if p.grad is None:
+                p.grad = torch.empty_like(p)
+            p.grad.copy_(s.reduced[offset:offset + n].view_as(p))
+            offset += n
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)
+        self.channel.send(pb.WorkerReport(applied=pb.Applied(
+            step=s.step, param_sha256=parameter_digest(self.model))))
+        self.state = StepState(step=s.step + 1)
+        self.finished = commit.final
+        if commit.HasField("next_plan"):
+            self._adopt_plan(commit.next_plan)
+
+    def _ctx(self) -> dict[str, int]:
+        return {"step": self.state.step, "generation": self.generation, "replica": self.replica}
+
+

@@ -1,0 +1,99 @@
+"""Built-in fault injection: a worker SIGKILLs itself at a chosen point.
+
+A spec reads `step=20,replica=1,phase=backward[,microbatch=K]`. The kill is a
+real SIGKILL of the worker's own process: nothing is cleaned up, sockets are
+dropped by the kernel, exactly as with a crash. Just before it, the worker
+notes the fault to its agent (bounded, best effort) so the failure record can
+say where it happened; recovery never depends on that note.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterable
+
+from recover.proto import pb
+
+PHASES: dict[str, str] = {
+    "forward": "after the forward pass of a microbatch, before its backward",
+    "backward": "inside the backward pass of a microbatch (from a gradient hook)",
+    "reduce": "while the gradient allreduce is in flight",
+    "commit": "after reporting the reduction, before the controller's commit arrives",
+    "rebuild": "while rebuilding the process group of a new generation (a recovery)",
+    "recompute": "while computing a microbatch reassigned from a lost replica",
+}
+
+
+class FaultSpecError(ValueError):
+    """A --kill spec that cannot be understood; the message says what is wrong."""
+
+
+def parse_fault_spec(text: str) -> pb.FaultSpec:
+    """Parse `step=S,replica=R,phase=P[,microbatch=K]`."""
+    fields: dict[str, str] = {}
+    for part in text.split(","):
+        key, sep, value = part.strip().partition("=")
+        if not sep or not key or not value:
+            raise FaultSpecError(f"malformed --kill {text!r}: expected key=value pairs such as "
+                                 "step=20,replica=1,phase=backward")
+        if key in fields:
+            raise FaultSpecError(f"malformed --kill {text!r}: {key!r} given twice")
+        fields[key] = value
+    unknown = set(fields) - {"step", "replica", "phase", "microbatch"}
+    if unknown:
+        raise FaultSpecError(f"malformed --kill {text!r}: unknown key(s) {sorted(unknown)}")
+    missing = {"step", "replica", "phase"} - set(fields)
+    if missing:
+        raise FaultSpecError(f"malformed --kill {text!r}: missing {sorted(missing)}")
+    if fields["phase"] not in PHASES:
+        raise FaultSpecError(f"malformed --kill {text!r}: phase must be one of {', '.join(PHASES)}")
+    try:
+        step, replica = int(fields["step"]), int(fields["replica"])
+        microbatch = int(fields.get("microbatch", "-1"))
+    except ValueError:
+        raise FaultSpecError(f"malformed --kill {text!r}: step, replica and microbatch "
+                             "must be integers") from None
+    if step < 0 or replica < 0 or microbatch < -1:
+        raise FaultSpecError(f"malformed --kill {text!r}: values must not be negative")
+    return pb.FaultSpec(step=step, replica=replica, phase=fields["phase"], microbatch=microbatch)
+
+
+def format_fault_spec(spec: pb.FaultSpec) -> str:
+    text = f"step={spec.step},replica={spec.replica},phase={spec.phase}"
+    return text + (f",microbatch={spec.microbatch}" if spec.microbatch >= 0 else "")
+
+
+class FaultInjector:
+    """Fires this replica's faults; `note` tells the agent first."""
+
+    def __init__(self, faults: Iterable[pb.FaultSpec], replica: int,
+                 note: "callable[[pb.FaultNote], None]") -> None:  # type: ignore[valid-type]
+        self._faults = [f for f in faults if f.replica == replica]
+        self._note = note
+
+    def armed(self, step: int, phase: str, position: int | None = None,
+              count: int | None = None) -> bool:
+        """Whether a fault targets (step, phase) and, for per-microbatch phases, this position."""
+        for fault in self._faults:
+            if fault.step != step or fault.phase != phase:
+                continue
+            if position is None:
+                return True
+            target = fault.microbatch if fault.microbatch >= 0 else (count or 1) // 2
+            if position == min(target, max((count or 1) - 1, 0)):
+                return True
+        return False
+
+    def fire(self, step: int, phase: str) -> None:
+        """Kill this process now, the hard way."""
+        self._note(pb.FaultNote(step=step, phase=phase, killed_at=time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def fire_soon(self, step: int, phase: str, delay_s: float = 0.002) -> None:
+        """Kill from a timer thread, so the main thread is inside a blocking call when it lands."""
+        note = pb.FaultNote(step=step, phase=phase, killed_at=time.time() + delay_s)
+        self._note(note)
+        threading.Timer(delay_s, os.kill, (os.getpid(), signal.SIGKILL)).start()
