@@ -27,8 +27,16 @@ WORKER_TIMEOUT_S = 20.0  # group safety-net timeout in the workers; tests must b
 # --------------------------------------------------------------------------- worker side
 
 
+_EMIT_LOCK = threading.Lock()
+
+
 def _emit(ev: str, **kw: Any) -> None:
-    print(json.dumps({"ev": ev, "t": time.monotonic(), **kw}), flush=True)
+    # One write per line under a lock: two threads printing at once (the abort
+    # thread and the main thread) would otherwise interleave and corrupt the JSON.
+    line = json.dumps({"ev": ev, "t": time.monotonic(), **kw}) + "\n"
+    with _EMIT_LOCK:
+        sys.stdout.write(line)
+        sys.stdout.flush()
 
 
 def _worker(cfg: dict[str, Any]) -> None:

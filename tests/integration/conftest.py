@@ -1,0 +1,63 @@
+"""Helpers for end-to-end tests: run `recover run` as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# Small enough for 2 cores, big enough that every replica holds several microbatches.
+BASE_ARGS = ["--replicas", "4", "--steps", "6", "-M", "12", "-B", "4", "--seed", "7", "--quiet"]
+
+
+@dataclass
+class RunResult:
+    returncode: int
+    stdout: str
+    stderr: str
+    out: Path
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        return json.loads((self.out / "summary.json").read_text())
+
+
+def recover_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "recover.cli.main", *args]
+
+
+def run_recover(out: Path, *args: str, timeout: float = 120) -> RunResult:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run(recover_cmd("run", *args, "--out", str(out)), capture_output=True,
+                          text=True, timeout=timeout, env=env)
+    return RunResult(proc.returncode, proc.stdout, proc.stderr, out)
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The failure-free run every recovery test is compared with."""
+    result = run_recover(tmp_path_factory.mktemp("reference"), *BASE_ARGS)
+    assert result.returncode == 0, result.stderr
+    return result.summary
+
+
+def assert_same_training(summary: dict[str, Any], reference: dict[str, Any]) -> None:
+    """The invariant: same steps, same M, same samples, same loss (fast reduction)."""
+    assert summary["state"] == "succeeded", summary["reason"]
+    steps = reference["steps_committed"]
+    assert summary["steps_committed"] == steps
+    assert summary["microbatches_per_step"] == [summary["global_microbatches"]] * steps
+    assert summary["sample_digest_per_step"] == reference["sample_digest_per_step"]
+    for got, want in zip(summary["loss_per_step"], reference["loss_per_step"]):
+        assert abs(got - want) <= 1e-4 * abs(want), (got, want)
+    # No survivor applied a step another live replica did not: after every
+    # step, every replica that reported holds the same parameters.
+    for step, by_replica in enumerate(summary["param_sha256_by_replica_per_step"]):
+        assert len(set(by_replica.values())) == 1, f"replicas diverged after step {step}"
+    assert all(summary["param_sha256_per_step"])

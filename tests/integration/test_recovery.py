@@ -1,0 +1,146 @@
+"""In-step recovery end to end: real controller, agents, workers and SIGKILLs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from recover.proto import pb, rpc
+from tests.integration.conftest import (
+    BASE_ARGS,
+    assert_same_training,
+    recover_cmd,
+    run_recover,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def test_failure_free_run(reference: dict[str, Any]) -> None:
+    assert reference["state"] == "succeeded"
+    assert reference["failures"] == []
+    assert reference["steps_committed"] == 6
+    assert reference["microbatches_per_step"] == [12] * 6
+    assert len(set(reference["sample_digest_per_step"])) == 6  # every step reads new samples
+    assert reference["loss_per_step"][-1] < reference["loss_per_step"][0]
+    assert reference["tokens"] == 6 * 12 * 4 * 32
+    for by_replica in reference["param_sha256_by_replica_per_step"]:
+        assert sorted(by_replica) == ["0", "1", "2", "3"]
+        assert len(set(by_replica.values())) == 1
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward", "reduce", "commit"])
+def test_kill_in_each_phase(phase: str, tmp_path: Path, reference: dict[str, Any]) -> None:
+    result = run_recover(tmp_path, *BASE_ARGS, "--kill", f"step=2,replica=1,phase={phase}")
+    assert result.returncode == 0, result.stderr
+    summary = result.summary
+    assert_same_training(summary, reference)
+    [failure] = summary["failures"]
+    assert (failure["step"], failure["replica"], failure["phase"]) == (2, 1, phase)
+    assert failure["recovered_s"] is not None and failure["recovered_s"] < 5
+    assert summary["live_replicas"] == [0, 2, 3]
+    # From the step after the failure on, three replicas carry all M microbatches.
+    assert summary["generation_per_step"][-1] == 2
+
+
+def test_two_replicas_lost_in_one_step(tmp_path: Path, reference: dict[str, Any]) -> None:
+    result = run_recover(tmp_path, *BASE_ARGS, "--kill", "step=3,replica=1,phase=backward",
+                         "--kill", "step=3,replica=2,phase=forward")
+    assert result.returncode == 0, result.stderr
+    assert_same_training(result.summary, reference)
+    assert sorted(f["replica"] for f in result.summary["failures"]) == [1, 2]
+    assert result.summary["live_replicas"] == [0, 3]
+
+
+@pytest.mark.parametrize("second_phase", ["rebuild", "recompute"])
+def test_failure_during_recovery(second_phase: str, tmp_path: Path,
+                                 reference: dict[str, Any]) -> None:
+    result = run_recover(tmp_path, *BASE_ARGS, "--kill", "step=2,replica=0,phase=backward",
+                         "--kill", f"step=2,replica=3,phase={second_phase}")
+    assert result.returncode == 0, result.stderr
+    summary = result.summary
+    assert_same_training(summary, reference)
+    phases = {f["replica"]: f["phase"] for f in summary["failures"]}
+    assert phases == {0: "backward", 3: second_phase}
+    assert summary["live_replicas"] == [1, 2]
+
+
+def _wait_for(predicate: Any, timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_external_kill_minus_nine(tmp_path: Path, reference: dict[str, Any]) -> None:
+    """A worker killed from outside, with no cooperation, recovers like an injected one."""
+    # More steps than the reference so there is time to aim; compare the common prefix.
+    args = [a if a != "6" else "40" for a in BASE_ARGS]
+    proc = subprocess.Popen(recover_cmd("run", *args, "--out", str(tmp_path)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        port_file = tmp_path / "controller.port"
+        port = int(_wait_for(lambda: port_file.exists() and port_file.read_text(), 60, "port"))
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        stub = rpc.ControlStub(channel)
+
+        def step_at_least_two() -> bool:
+            try:
+                return stub.Status(pb.StatusRequest(), timeout=2).steps_committed >= 2
+            except grpc.RpcError:
+                return False
+
+        _wait_for(step_at_least_two, 90, "training to reach step 2")
+        events = stub.Events(pb.EventsRequest(), timeout=2).events
+        pids = {e.replica: int(e.message.split()[1].rstrip(",")) for e in events
+                if e.kind == "replica-ready"}
+        os.kill(pids[2], signal.SIGKILL)
+        channel.close()
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr
+    summary = (tmp_path / "summary.json").read_text()
+    import json
+
+    summary = json.loads(summary)
+    [failure] = summary["failures"]
+    assert failure["replica"] == 2 and failure["cause"] == "external"
+    assert failure["recovered_s"] is not None
+    assert summary["steps_committed"] == 40
+    assert summary["microbatches_per_step"] == [12] * 40
+    assert summary["sample_digest_per_step"][:6] == reference["sample_digest_per_step"]
+    for by_replica in summary["param_sha256_by_replica_per_step"]:
+        assert len(set(by_replica.values())) == 1
+
+
+def test_losing_every_replica_fails_cleanly(tmp_path: Path) -> None:
+    started = time.monotonic()
+    result = run_recover(tmp_path, "--replicas", "2", "--steps", "6", "-M", "4", "--quiet",
+                         "--kill", "step=2,replica=0,phase=forward",
+                         "--kill", "step=2,replica=1,phase=backward", timeout=90)
+    assert result.returncode == 1
+    assert "all replicas lost" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.summary["state"] == "failed"
+    assert result.summary["steps_committed"] == 2
+    assert time.monotonic() - started < 60
+
+
+def test_bad_input_is_one_line(tmp_path: Path) -> None:
+    proc = subprocess.run(recover_cmd("run", "--replicas", "4", "-M", "2", "--out", str(tmp_path)),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert "--global-microbatches" in proc.stderr
