@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from collections import Counter
 from typing import Any
 
@@ -35,6 +36,21 @@ def failure_entry(failure: pb.FailureRecord, started_at: float) -> dict[str, Any
     }
 
 
+def step_time(steps: list[pb.StepRecord]) -> dict[str, float] | None:
+    """Median step wall time (commit to commit) and where it goes, failure-free steps only."""
+    walls, compute, reduce = [], [], []
+    for previous, record in zip(steps, steps[1:]):
+        if record.generation == previous.generation:  # skip steps that included a recovery
+            walls.append(record.committed_at - previous.committed_at)
+            compute.append(record.compute_s)
+            reduce.append(record.reduce_s)
+    if not walls:
+        return None
+    wall, comp, red = statistics.median(walls), statistics.median(compute), statistics.median(reduce)
+    return {"median_s": round(wall, 5), "compute_s": round(comp, 5), "reduce_s": round(red, 5),
+            "control_s": round(max(wall - comp - red, 0.0), 5)}
+
+
 def build_summary(report: pb.RunReport, wall_s: float) -> dict[str, Any]:
     steps = list(report.steps)
     per_replica = [
@@ -55,6 +71,7 @@ def build_summary(report: pb.RunReport, wall_s: float) -> dict[str, Any]:
         "sample_digest_per_step": [record.sample_digest for record in steps],
         "loss_per_step": [record.loss for record in steps],
         "generation_per_step": [record.generation for record in steps],
+        "step_time": step_time(steps),
         "param_sha256_per_step": [agreed_digest(record) for record in steps],
         "param_sha256_by_replica_per_step": per_replica,
         "param_sha256": agreed_digest(steps[-1]) if steps else None,

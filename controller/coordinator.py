@@ -313,7 +313,8 @@ class Coordinator:
             microbatches=sum(len(r.microbatch_ids) for r in reports),
             sample_digest=sample_digest(s for r in reports for s in r.sample_ids),
             loss=reports[0].loss, committed_at=self._clock(),
-            tokens=job.global_microbatches * job.microbatch_size * job.model.seq_len)
+            tokens=job.global_microbatches * job.microbatch_size * job.model.seq_len,
+            compute_s=max(r.compute_s for r in reports), reduce_s=max(r.reduce_s for r in reports))
         # Durable before anyone applies: a new leader must know this step committed.
         await self._store.put(f"{self._prefix}steps/{self.step:010d}", record.SerializeToString())
         self.steps.append(record)

@@ -351,7 +351,7 @@ class ReplicaDigest(_message.Message):
     def __init__(self, replica: _Optional[int] = ..., param_sha256: _Optional[str] = ...) -> None: ...
 
 class StepRecord(_message.Message):
-    __slots__ = ("step", "generation", "microbatches", "sample_digest", "loss", "committed_at", "param_sha256", "tokens")
+    __slots__ = ("step", "generation", "microbatches", "sample_digest", "loss", "committed_at", "param_sha256", "tokens", "compute_s", "reduce_s")
     STEP_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
@@ -360,6 +360,8 @@ class StepRecord(_message.Message):
     COMMITTED_AT_FIELD_NUMBER: _ClassVar[int]
     PARAM_SHA256_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    REDUCE_S_FIELD_NUMBER: _ClassVar[int]
     step: int
     generation: int
     microbatches: int
@@ -368,7 +370,9 @@ class StepRecord(_message.Message):
     committed_at: float
     param_sha256: _containers.RepeatedCompositeFieldContainer[ReplicaDigest]
     tokens: int
-    def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., microbatches: _Optional[int] = ..., sample_digest: _Optional[str] = ..., loss: _Optional[float] = ..., committed_at: _Optional[float] = ..., param_sha256: _Optional[_Iterable[_Union[ReplicaDigest, _Mapping]]] = ..., tokens: _Optional[int] = ...) -> None: ...
+    compute_s: float
+    reduce_s: float
+    def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., microbatches: _Optional[int] = ..., sample_digest: _Optional[str] = ..., loss: _Optional[float] = ..., committed_at: _Optional[float] = ..., param_sha256: _Optional[_Iterable[_Union[ReplicaDigest, _Mapping]]] = ..., tokens: _Optional[int] = ..., compute_s: _Optional[float] = ..., reduce_s: _Optional[float] = ...) -> None: ...
 
 class FailureRecord(_message.Message):
     __slots__ = ("step", "replica", "phase", "cause", "killed_at", "detected_at", "recovered_at", "generation")
