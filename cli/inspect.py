@@ -56,7 +56,7 @@ def format_event(event: pb.Event) -> str:
 
 def main(args: argparse.Namespace) -> int:
     try:
-        channel, stub = connect(args.controller)
+        channel, stub = connect(args.controller, args.timeout)
     except ControllerUnreachable as exc:
         print(f"recover {args.command}: {exc}", file=sys.stderr)
         return 1

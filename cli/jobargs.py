@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import uuid
 
 from recover.proto import pb
@@ -66,8 +67,11 @@ def job_from_args(args: argparse.Namespace) -> pb.JobConfig:
             f"({args.replicas}): every replica needs a microbatch")
     if args.n_embd % args.n_head:
         raise UsageError(f"--n-embd ({args.n_embd}) must be a multiple of --n-head ({args.n_head})")
-    if not args.lr > 0:
-        raise UsageError(f"--lr must be positive, got {args.lr}")
+    if not 0 < args.lr < math.inf:
+        raise UsageError(f"--lr must be a positive number, got {args.lr}")
+    if not 0 < args.group_timeout < math.inf:
+        raise UsageError(f"--group-timeout must be a positive number of seconds, "
+                         f"got {args.group_timeout}")
     faults = []
     for text in args.kill:
         try:
@@ -98,7 +102,7 @@ def job_to_args(job: pb.JobConfig) -> list[str]:
         "--replicas", str(job.replicas), "--steps", str(job.steps),
         "--global-microbatches", str(job.global_microbatches),
         "--microbatch-size", str(job.microbatch_size), "--seed", str(job.seed),
-        "--lr", repr(job.learning_rate), "--reduce", job.reduce, "--job-id", job.job_id,
+        "--lr", repr(job.learning_rate), "--reduce", job.reduce, f"--job-id={job.job_id}",
         "--n-layer", str(job.model.n_layer), "--n-embd", str(job.model.n_embd),
         "--n-head", str(job.model.n_head), "--seq-len", str(job.model.seq_len),
         "--vocab-size", str(job.model.vocab_size), "--group-timeout", repr(job.group_timeout_s),
@@ -106,6 +110,16 @@ def job_to_args(job: pb.JobConfig) -> list[str]:
     for fault in job.faults:
         args += ["--kill", format_fault_spec(fault)]
     return args
+
+
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
 
 
 def parse_address(text: str, flag: str = "--controller") -> str:

@@ -48,8 +48,10 @@ class LocalJob:
     def start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
         log = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115 (closed in stop())
         self._files.append(log)
+        # A session of its own: Ctrl-C reaches only the launcher, which then
+        # stops the parts in order instead of every process dying at once.
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL)
+                                   stdin=subprocess.DEVNULL, start_new_session=True)
         self.processes[name] = process
         return process
 
@@ -58,11 +60,12 @@ class LocalJob:
         return " | ".join(text[-lines:])
 
     def stop(self, grace_s: float = 5.0) -> None:
+        """End the controller; agents then leave (after its shutdown, or on losing it)."""
         deadline = time.monotonic() + grace_s
-        for name in sorted(self.processes, key=lambda n: n == "controller"):
-            process = self.processes[name]
-            if process.poll() is None and name == "controller":
-                process.send_signal(signal.SIGTERM)
+        controller = self.processes.get("controller")
+        if controller is not None and controller.poll() is None:
+            controller.send_signal(signal.SIGTERM)
+        for process in self.processes.values():
             try:
                 process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

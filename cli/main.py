@@ -15,7 +15,14 @@ import argparse
 import asyncio
 import sys
 
-from recover.cli.jobargs import Parser, UsageError, add_job_arguments, job_from_args, parse_address
+from recover.cli.jobargs import (
+    Parser,
+    UsageError,
+    add_job_arguments,
+    job_from_args,
+    parse_address,
+    positive_seconds,
+)
 
 DEFAULT_WORKER = [sys.executable, "-m", "recover.trainer.worker"]
 
@@ -39,11 +46,11 @@ def build_parser() -> Parser:
     ctl.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
     ctl.add_argument("--port-file", default=None, help="write the chosen port here")
     ctl.add_argument("--store", default="memory://", help="state store URL (memory://)")
-    ctl.add_argument("--agent-timeout", type=float, default=3.0,
+    ctl.add_argument("--agent-timeout", type=positive_seconds, default=3.0,
                      help="seconds of heartbeat silence before an agent is declared lost")
-    ctl.add_argument("--start-timeout", type=float, default=120.0,
+    ctl.add_argument("--start-timeout", type=positive_seconds, default=120.0,
                      help="seconds to wait for every replica to be ready")
-    ctl.add_argument("--linger", type=float, default=None,
+    ctl.add_argument("--linger", type=positive_seconds, default=None,
                      help="exit this many seconds after the job ends (default: keep serving)")
 
     agent = sub.add_parser("agent", help="run one host's workers",
@@ -52,7 +59,8 @@ def build_parser() -> Parser:
     agent.add_argument("--slots", type=int, default=1, help="worker slots on this host")
     agent.add_argument("--agent-id", default=None, help="unique name (default: host + random)")
     agent.add_argument("--log-dir", default=None, help="write worker output to LOG_DIR/replica-N.log")
-    agent.add_argument("--connect-timeout", type=float, default=10.0)
+    agent.add_argument("--connect-timeout", type=positive_seconds, default=10.0,
+                       help="seconds to wait for the controller at start")
     agent.add_argument("worker_command", nargs=argparse.REMAINDER,
                        help="after --: the worker command (default: the reference GPT worker)")
 
@@ -61,6 +69,8 @@ def build_parser() -> Parser:
         p = sub.add_parser(name, help=helptext)
         p.add_argument("--controller", default="127.0.0.1:50051", help="HOST:PORT")
         p.add_argument("--json", action="store_true", help="machine-readable output")
+        p.add_argument("--timeout", type=positive_seconds, default=5.0,
+                       help="seconds to wait for the controller to answer")
         if name == "events":
             p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
     return parser

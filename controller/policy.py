@@ -95,8 +95,11 @@ def reassign_lost(
 def check_plan(assignment: Mapping[int, Sequence[int]], global_microbatches: int) -> str | None:
     """Return why `assignment` breaks the invariant, or None when it covers 0..M-1 once."""
     seen: list[int] = sorted(mb for ids in assignment.values() for mb in ids)
-    if seen != list(range(global_microbatches)):
-        missing = sorted(set(range(global_microbatches)) - set(seen))
-        duplicated = sorted({mb for mb in seen if seen.count(mb) > 1})
-        return f"plan covers the wrong microbatches: missing {missing}, duplicated {duplicated}"
-    return None
+    if seen == list(range(global_microbatches)):
+        return None
+    expected = set(range(global_microbatches))
+    missing = sorted(expected - set(seen))
+    duplicated = sorted({mb for mb in seen if seen.count(mb) > 1})
+    outside = sorted({mb for mb in seen if mb not in expected})
+    return (f"plan covers the wrong microbatches: missing {missing}, duplicated {duplicated}"
+            + (f", outside 0..{global_microbatches - 1}: {outside}" if outside else ""))

@@ -1,14 +1,12 @@
 """Fault-tolerant cross-replica collectives: one gloo process group per generation.
 
-Why this module exists (measured, see DESIGN.md section 1 and the report in
-tests/integration/test_collectives.py): gloo's own ``abort()``/``shutdown()``
-do not unblock an in-flight collective, and leaving a collective in flight
-(``work.wait(timeout)``) makes destroying the group hang. A stopped peer keeps
-its sockets open, so nothing fails until the group timeout. What *does* work in
-milliseconds is ``shutdown(SHUT_RDWR)`` on the group's connected TCP sockets
-from another thread: gloo's event loop sees the hang-up and fails the pending
-operation; a blocked rendezvous (store ``get`` for a missing peer's key) fails
-the same way when the store client socket is shut down.
+Why (measured, DESIGN.md section 1): a stopped peer keeps its sockets open, so
+nothing fails until the group timeout; gloo's ``abort()``/``shutdown()`` do not
+unblock an in-flight collective, and destroying a group with a collective still
+in flight hangs. What works in milliseconds is ``shutdown(SHUT_RDWR)`` on the
+group's connected TCP sockets from another thread: gloo's event loop sees the
+hang-up and fails the pending operation; a rendezvous blocked on a missing
+peer's key fails the same way when the store client socket is shut down.
 
 Which sockets are ours: torch exposes neither the store client's nor gloo's
 socket fds, so ``connect()`` snapshots the process's socket inodes before it
@@ -27,6 +25,7 @@ import ipaddress
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -75,41 +74,39 @@ def _socket_inodes() -> dict[int, int]:
     return found
 
 
-def _shutdown_socket(fd: int, inode: int, inet_only: bool) -> bool:
-    """shutdown(SHUT_RDWR) the socket behind ``fd`` if it still is socket ``inode``.
+def _shutdown_socket(fd: int, inode: int) -> bool:
+    """shutdown(SHUT_RDWR) the socket behind ``fd`` if it still is inet socket ``inode``.
 
     shutdown acts on the socket (shared by every fd that refers to it), so doing it
-    through a dup is enough and leaves the owner's fd for the owner to close. The
-    listening socket is skipped: peers still connecting would just see ECONNREFUSED
-    and retry, and the listener does not carry the collective anyway. Returns True
-    if the socket is a connected inet socket (and was shut down).
+    through a dup is enough and leaves the owner's fd for the owner to close. Unix
+    sockets (the agent channel) are never ours. The listening socket is skipped: it
+    carries no collective, and shutting it would break gloo's accept loop. Returns
+    True if a connected socket was shut down.
     """
     try:
         dup = os.dup(fd)
     except OSError:  # fd closed by gloo meanwhile
         return False
-    try:
-        if os.fstat(dup).st_ino != inode:  # fd number reused by someone else
-            return False
-        sock = socket.socket(fileno=dup)  # detects family/type from the fd
+    try:  # fstat: the fd number may have been reused by someone else since listed
+        sock = socket.socket(fileno=dup) if os.fstat(dup).st_ino == inode else None
     except OSError:
+        sock = None
+    if sock is None:
         os.close(dup)
         return False
-    try:
-        if inet_only and sock.family not in (socket.AF_INET, socket.AF_INET6):
-            return False
-        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+    with sock:  # closes only the dup
+        if (sock.family not in (socket.AF_INET, socket.AF_INET6)
+                or sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)):
             return False
         try:
             sock.shutdown(socket.SHUT_RDWR)
         except OSError:  # not connected (yet / any more): nothing to unblock
             return False
         return True
-    finally:
-        sock.close()  # closes only the dup
 
 
 def _is_loopback(host: str) -> bool:
+    """True if ``host`` resolves to a loopback address (then every peer is local)."""
     try:
         return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
     except (OSError, ValueError):
@@ -129,8 +126,9 @@ class GenerationGroup:
         self._aborted = False
         self._closed = False
         self._busy = False  # connect() or allreduce_sum_() in flight
+        self._resweeping = False
         self._before: set[int] | None = None  # socket inodes that existed before connect()
-        self._owned: set[int] | None = None  # inet socket inodes created by connect()
+        self._owned: set[int] | None = None  # socket inodes created by connect()
         self._store: dist.Store | None = None
         self._pg: dist.ProcessGroupGloo | None = None
 
@@ -155,8 +153,7 @@ class GenerationGroup:
         pg: dist.ProcessGroupGloo | None = None
         error: str | None = None
         try:
-            store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False,
-                                  timeout=timeout, wait_for_workers=False)
+            store = self._open_store(timeout)
             with self._lock:
                 if not self._closed:
                     self._store = store
@@ -180,11 +177,11 @@ class GenerationGroup:
             error = f"generation {spec.generation} connect failed: {e}"
         with self._lock:
             self._busy = False
+            # Freeze ownership now (also on failure, for the abort() below), so
+            # sockets that other threads open later are never touched by abort().
+            self._owned = {i for i in _socket_inodes() if i not in self._before}
             if error is None and not (self._aborted or self._closed):
                 self._pg = pg
-                # Freeze ownership now, so sockets that other threads open later are
-                # never touched by abort().
-                self._owned = {i for i in _socket_inodes() if i not in self._before}
             elif error is None:
                 error = f"generation {spec.generation} group aborted during connect"
         del pg  # an aborted group is destroyed here, outside the lock
@@ -193,6 +190,25 @@ class GenerationGroup:
             # failed store/group frames (and their sockets) alive.
             self.abort()
             raise CollectiveAborted(error)
+
+    def _open_store(self, timeout: datetime.timedelta) -> dist.TCPStore:
+        # An unreachable store (ECONNREFUSED: its host is gone) has no socket to shut
+        # down, and TCPStore retries until its timeout: connect in short attempts so
+        # abort() is seen within ~1-2 s, then restore the full timeout for the rest.
+        deadline = time.monotonic() + self.spec.timeout_s
+        while True:
+            self._check()
+            step = max(min(1.0, deadline - time.monotonic()), 0.05)
+            try:
+                store = dist.TCPStore(self.spec.store_host, self.spec.store_port,
+                                      is_master=False, wait_for_workers=False,
+                                      timeout=datetime.timedelta(seconds=step))
+            except Exception:
+                if time.monotonic() >= deadline:
+                    raise
+                continue
+            store.set_timeout(timeout)
+            return store
 
     def allreduce_sum_(self, buffer: torch.Tensor) -> None:
         """In-place SUM allreduce of a contiguous CPU float tensor.
@@ -230,18 +246,34 @@ class GenerationGroup:
         with self._lock:
             self._aborted = True
             self._sweep()
+            if self._owned is None and not self._resweeping:
+                # connect() may open a socket just after this sweep (e.g. a gloo pair
+                # right after its store lookup) and block on it: keep sweeping in
+                # the background until connect() returns.
+                self._resweeping = True
+                threading.Thread(target=self._resweep, daemon=True,
+                                 name=f"abort-gen{self.spec.generation}").start()
+
+    def _resweep(self) -> None:
+        deadline = time.monotonic() + self.spec.timeout_s + 5.0
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            with self._lock:
+                if self._owned is not None or self._closed:  # connect() returned
+                    return
+                self._sweep()
 
     def _sweep(self) -> None:
-        """Shut down this generation's connected sockets (caller holds the lock)."""
+        """Shut down this generation's connected sockets (caller holds the lock).
+
+        While connect() runs, that is every socket new since its snapshot; after it
+        returned, the frozen set it recorded."""
         if self._closed or self._before is None:
             return  # nothing built yet, or our fds may already belong to others
         owned, before = self._owned, self._before
         for inode, fd in _socket_inodes().items():
-            if owned is not None:
-                if inode in owned:
-                    _shutdown_socket(fd, inode, inet_only=False)
-            elif inode not in before:  # connect() still running or failed
-                _shutdown_socket(fd, inode, inet_only=True)
+            if (inode in owned) if owned is not None else (inode not in before):
+                _shutdown_socket(fd, inode)
 
     def close(self) -> None:
         """Drop every reference (group, store) so sockets are released; never hangs."""
@@ -251,11 +283,8 @@ class GenerationGroup:
                 # under it would hang (gloo joins its workers), so fail it first.
                 self._aborted = True
                 self._sweep()
-            self._closed = True
-            self._aborted = True
-            pg, store = self._pg, self._store
-            self._pg = None
-            self._store = None
+            self._closed = self._aborted = True
+            pg, store, self._pg, self._store = self._pg, self._store, None, None
         # Destroyed outside the lock: gloo's destructor joins its worker threads,
         # which return at once because no operation is left in flight.
         del pg, store

@@ -1,0 +1,242 @@
+"""`recover` command-line mistakes end in one line on stderr, never a traceback.
+
+Most cases call `recover.cli.main.main` in-process; one runs the real console
+entry point in a subprocess. Nothing here may start a job: a guard replaces
+what would launch processes or serve, so a validation that wrongly passes
+fails the test instead of training.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import recover.cli.inspect as inspect_mod
+import recover.cli.launcher as launcher_mod
+import recover.controller.server as server_mod
+from recover.cli.jobargs import UsageError, job_from_args, job_to_args, parse_address
+from recover.cli.main import build_parser, main
+from recover.proto import pb
+from recover.trainer.faults import FaultSpecError, format_fault_spec, parse_fault_spec
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def no_launch(monkeypatch):
+    """Fail instead of starting a job, and keep the `recover` logger as it was."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the arguments were accepted: a job would have started")
+
+    monkeypatch.setattr(launcher_mod, "LocalJob", refuse)
+    monkeypatch.setattr(server_mod, "serve", refuse)
+    logger = logging.getLogger("recover")
+    saved = (list(logger.handlers), logger.level, logger.propagate)
+    yield
+    logger.handlers[:], logger.level, logger.propagate = saved
+
+
+def run_main(capsys, argv: list[str]) -> tuple[int, str, str]:
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_one_line(err: str, phrase: str) -> None:
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got {err!r}"
+    assert err.endswith("\n") and not err.endswith("\n\n")
+    assert phrase in lines[0], f"{phrase!r} not in {lines[0]!r}"
+
+
+USAGE_CASES = [
+    pytest.param(["run", "--bogus"], "unrecognized arguments: --bogus", id="unknown-flag"),
+    pytest.param(["status", "--frobnicate", "1"], "unrecognized arguments: --frobnicate 1",
+                 id="unknown-flag-status"),
+    pytest.param(["frobnicate"], "invalid choice: 'frobnicate'", id="unknown-command"),
+    pytest.param([], "the following arguments are required: COMMAND", id="no-command"),
+    pytest.param(["run", "-R", "0"], "argument --replicas/-R: must be at least 1, got 0",
+                 id="zero-replicas"),
+    pytest.param(["run", "--steps", "ten"], "expected a whole number, got 'ten'",
+                 id="non-integer-steps"),
+    pytest.param(["run", "-M", "2", "--replicas", "4"],
+                 "--global-microbatches (2) must be at least --replicas (4)", id="M-below-R"),
+    pytest.param(["controller", "-M", "2", "--replicas", "4"],
+                 "--global-microbatches (2) must be at least --replicas (4)",
+                 id="M-below-R-controller"),
+    pytest.param(["run", "--n-embd", "10", "--n-head", "4"],
+                 "--n-embd (10) must be a multiple of --n-head (4)", id="n-embd-vs-n-head"),
+    pytest.param(["run", "--lr", "0"], "--lr must be a positive number, got 0.0", id="zero-lr"),
+    pytest.param(["run", "--lr", "inf"], "--lr must be a positive number, got inf", id="inf-lr"),
+    pytest.param(["run", "--group-timeout", "-1"], "--group-timeout must be a positive number",
+                 id="negative-group-timeout"),
+    pytest.param(["controller", "--agent-timeout", "-3"], "must be a positive number of seconds",
+                 id="negative-agent-timeout"),
+    pytest.param(["agent", "--controller", "127.0.0.1:1", "--connect-timeout", "0"],
+                 "must be a positive number of seconds", id="zero-connect-timeout"),
+    pytest.param(["run", "--kill", "step=1,replica=0"], "missing ['phase']",
+                 id="kill-missing-phase"),
+    pytest.param(["run", "--kill", "step=1,replica=0,phase=explode"],
+                 "phase must be one of forward, backward, reduce, commit, rebuild, recompute",
+                 id="kill-bad-phase"),
+    pytest.param(["run", "--kill", "step=one,replica=0,phase=forward"],
+                 "step, replica and microbatch must be integers", id="kill-non-integer-step"),
+    pytest.param(["run", "--kill", "step=1,replica=0,phase=forward,colour=red"],
+                 "unknown key(s) ['colour']", id="kill-unknown-key"),
+    pytest.param(["run", "--kill", "step=1,replica=0,phase=forward,step=2"],
+                 "'step' given twice", id="kill-key-twice"),
+    pytest.param(["run", "--kill", "garbage"], "expected key=value pairs", id="kill-no-pairs"),
+    pytest.param(["run", "--kill", "step=-1,replica=0,phase=forward"],
+                 "values must not be negative", id="kill-negative-step"),
+    pytest.param(["run", "--steps", "5", "--kill", "step=5,replica=0,phase=forward"],
+                 "step 5 is beyond the last step (4)", id="kill-step-beyond-steps"),
+    pytest.param(["run", "--replicas", "2", "--kill", "step=1,replica=2,phase=forward"],
+                 "replica 2 does not exist (replicas are 0..1)", id="kill-replica-beyond"),
+    pytest.param(["run", "--replicas", "2", "--agents", "3"],
+                 "--agents must be between 1 and --replicas (2)", id="too-many-agents"),
+    pytest.param(["controller", "--store", "etcd://x:2379"], "unsupported store 'etcd://x:2379'",
+                 id="controller-bad-store"),
+    pytest.param(["controller", "--port", "70000"], "--port 70000 is not a port number",
+                 id="controller-bad-port"),
+    pytest.param(["agent", "--controller", "nonsense"], "--controller 'nonsense' is not HOST:PORT",
+                 id="agent-controller-nonsense"),
+    pytest.param(["agent", "--controller", "127.0.0.1:1", "--slots", "0"],
+                 "--slots must be at least 1, got 0", id="agent-zero-slots"),
+    pytest.param(["agent"], "the following arguments are required: --controller",
+                 id="agent-without-controller"),
+    pytest.param(["status", "--controller", "localhost"], "--controller 'localhost' is not HOST:PORT",
+                 id="status-controller-without-port"),
+]
+
+
+@pytest.mark.parametrize(("argv", "phrase"), USAGE_CASES)
+def test_usage_errors_exit_2_with_one_line(capsys, tmp_path, argv, phrase):
+    if argv[:1] == ["run"]:
+        argv = [*argv, "--out", str(tmp_path / "out"), "--quiet"]
+    code, out, err = run_main(capsys, argv)
+    assert code == 2
+    assert out == ""
+    assert_one_line(err, phrase)
+
+
+def test_status_with_nobody_listening_exits_1(capsys, monkeypatch):
+    code, out, err = run_main(capsys, ["status", "--controller", "127.0.0.1:1",
+                                       "--timeout", "0.5"])
+    assert code == 1
+    assert out == ""
+    assert_one_line(err, "recover status: no controller answers at 127.0.0.1:1")
+
+
+def test_agent_with_nobody_listening_exits_1(capsys):
+    code, out, err = run_main(capsys, ["agent", "--controller", "127.0.0.1:1",
+                                       "--connect-timeout", "1"])
+    assert code == 1
+    assert out == ""
+    assert_one_line(err, "recover agent: cannot reach the controller at 127.0.0.1:1")
+
+
+def test_agent_subprocess_prints_no_traceback():
+    result = subprocess.run(
+        [sys.executable, "-m", "recover.cli.main", "agent", "--controller", "127.0.0.1:1",
+         "--connect-timeout", "1"],
+        capture_output=True, text=True, timeout=30, cwd=REPO, stdin=subprocess.DEVNULL)
+    assert result.returncode == 1, result.stderr
+    assert result.stdout == ""
+    assert_one_line(result.stderr, "cannot reach the controller at 127.0.0.1:1 "
+                                   "(nothing answered within 1s)")
+
+
+# ---------------------------------------------------------------- fault specs
+
+@pytest.mark.parametrize(("text", "expected", "canonical"), [
+    pytest.param("step=20,replica=1,phase=backward",
+                 pb.FaultSpec(step=20, replica=1, phase="backward", microbatch=-1),
+                 "step=20,replica=1,phase=backward", id="no-microbatch"),
+    pytest.param("phase=forward, replica=0 ,step=3,microbatch=2",
+                 pb.FaultSpec(step=3, replica=0, phase="forward", microbatch=2),
+                 "step=3,replica=0,phase=forward,microbatch=2", id="any-order-and-spaces"),
+    pytest.param("step=0,replica=7,phase=recompute,microbatch=-1",
+                 pb.FaultSpec(step=0, replica=7, phase="recompute", microbatch=-1),
+                 "step=0,replica=7,phase=recompute", id="explicit-middle"),
+])
+def test_parse_and_format_fault_spec_round_trip(text, expected, canonical):
+    spec = parse_fault_spec(text)
+    assert spec == expected
+    assert format_fault_spec(spec) == canonical
+    assert parse_fault_spec(format_fault_spec(spec)) == spec
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward", "reduce", "commit", "rebuild",
+                                   "recompute"])
+def test_every_phase_round_trips(phase):
+    spec = pb.FaultSpec(step=4, replica=2, phase=phase, microbatch=1)
+    assert parse_fault_spec(format_fault_spec(spec)) == spec
+
+
+@pytest.mark.parametrize("text", ["", "step=1", "step=1,replica=0,phase=", "=1",
+                                  "step=1,replica=0,phase=forward,microbatch=-2",
+                                  "step=1.5,replica=0,phase=forward"])
+def test_parse_fault_spec_rejects(text):
+    with pytest.raises(FaultSpecError, match="malformed --kill"):
+        parse_fault_spec(text)
+
+
+# ---------------------------------------------------------------- job flags
+
+def parse_job(argv: list[str]) -> pb.JobConfig:
+    return job_from_args(build_parser().parse_args(["controller", *argv]))
+
+
+@pytest.mark.parametrize("argv", [
+    pytest.param(["--job-id", "defaults"], id="defaults"),
+    pytest.param(["-R", "3", "-T", "7", "-M", "9", "-B", "5", "--seed", "-42", "--lr", "1.25e-4",
+                  "--job-id", "custom", "--n-layer", "3", "--n-embd", "48", "--n-head", "6",
+                  "--seq-len", "17", "--vocab-size", "101", "--group-timeout", "2.5",
+                  "--kill", "step=6,replica=2,phase=reduce",
+                  "--kill", "step=0,replica=0,phase=backward,microbatch=3"], id="everything-set"),
+    pytest.param(["--lr", "0.1", "--group-timeout", "0.30000000000000004"],
+                 id="floats-keep-every-digit"),
+])
+def test_job_to_args_round_trip(argv):
+    job = parse_job(argv)
+    again = parse_job(job_to_args(job))
+    assert again == job
+    assert again.SerializeToString(deterministic=True) == job.SerializeToString(deterministic=True)
+
+
+def test_round_trip_of_job_id_starting_with_dash():
+    job = parse_job(["--job-id=-nightly"])
+    assert job.job_id == "-nightly"
+    assert parse_job(job_to_args(job)) == job
+
+
+def test_round_trip_keeps_faults_in_order():
+    job = parse_job(["-R", "2", "-T", "9", "--job-id", "j",
+                     "--kill", "step=8,replica=1,phase=commit",
+                     "--kill", "step=2,replica=0,phase=rebuild"])
+    assert [(f.step, f.replica, f.phase) for f in job.faults] == [(8, 1, "commit"),
+                                                                  (2, 0, "rebuild")]
+    assert parse_job(job_to_args(job)).faults == job.faults
+
+
+def test_default_job_id_is_random():
+    assert parse_job([]).job_id != parse_job([]).job_id
+
+
+@pytest.mark.parametrize(("text", "ok"), [
+    ("127.0.0.1:50051", True), ("host.example:1", True), ("[::1]:65535", True),
+    ("nonsense", False), (":80", False), ("host:", False), ("host:0", False),
+    ("host:65536", False), ("host:http", False),
+])
+def test_parse_address(text, ok):
+    if ok:
+        assert parse_address(text) == text
+    else:
+        with pytest.raises(UsageError, match="is not HOST:PORT"):
+            parse_address(text)

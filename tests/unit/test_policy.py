@@ -1,0 +1,248 @@
+"""Table-style tests of the workload policy (controller/policy.py).
+
+Every row pins the exact assignment *and* a substring of the reason, since the
+reason is what users read in `recover events`.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from recover.controller.policy import PolicyError, check_plan, reassign_lost, uniform_plan
+
+# ---------------------------------------------------------------- uniform_plan
+
+UNIFORM_ROWS = [
+    pytest.param(
+        [0, 1, 2, 3], 8,
+        {0: (0, 1), 1: (2, 3), 2: (4, 5), 3: (6, 7)},
+        "uniform: 8 microbatches over 4 replicas (2 each)",
+        id="M-divisible-by-R",
+    ),
+    pytest.param(
+        [0, 1, 2], 8,
+        {0: (0, 1, 2), 1: (3, 4, 5), 2: (6, 7)},
+        "8 microbatches over 3 replicas (2-3 each)",
+        id="M-not-divisible-first-members-take-extra",
+    ),
+    pytest.param(
+        [0, 1, 2, 3], 7,
+        {0: (0, 1), 1: (2, 3), 2: (4, 5), 3: (6,)},
+        "7 microbatches over 4 replicas (1-2 each)",
+        id="M-not-divisible-last-gets-fewer",
+    ),
+    pytest.param(
+        [5], 4,
+        {5: (0, 1, 2, 3)},
+        "4 microbatches over 1 replicas (4 each)",
+        id="R=1-takes-everything",
+    ),
+    pytest.param(
+        [0, 1, 2], 3,
+        {0: (0,), 1: (1,), 2: (2,)},
+        "3 microbatches over 3 replicas (1 each)",
+        id="M=R-one-each",
+    ),
+    pytest.param(
+        [3, 1, 2], 5,
+        {3: (0, 1), 1: (2, 3), 2: (4,)},
+        "5 microbatches over 3 replicas (1-2 each)",
+        id="member-order-not-id-order",
+    ),
+    pytest.param(
+        [0, 2], 1,
+        {0: (0,), 2: ()},
+        "1 microbatches over 2 replicas (0-1 each)",
+        id="M-smaller-than-R-leaves-idle-member",
+    ),
+]
+
+
+@pytest.mark.parametrize(("members", "m", "expected", "reason"), UNIFORM_ROWS)
+def test_uniform_plan(members, m, expected, reason):
+    decision = uniform_plan(members, m)
+    assert decision.assignment == expected
+    assert list(decision.assignment) == list(members), "plan must follow member order"
+    assert reason in decision.reason
+    assert check_plan(decision.assignment, m) is None
+
+
+@pytest.mark.parametrize(
+    ("members", "m", "reason"),
+    [
+        pytest.param([], 4, "no live replica", id="empty-members"),
+        pytest.param([0, 1, 0], 4, "duplicate members in [0, 1, 0]", id="duplicate-members"),
+        pytest.param([0, 1], 0, "global microbatches must be >= 1, got 0", id="M=0"),
+        pytest.param([0], -3, "got -3", id="M-negative"),
+    ],
+)
+def test_uniform_plan_rejects(members, m, reason):
+    with pytest.raises(PolicyError) as info:
+        uniform_plan(members, m)
+    assert reason in str(info.value)
+    assert isinstance(info.value, ValueError)  # PolicyError is a ValueError
+
+
+# ---------------------------------------------------------------- reassign_lost
+
+UNIFORM_4x8 = {0: (0, 1), 1: (2, 3), 2: (4, 5), 3: (6, 7)}
+
+REASSIGN_ROWS = [
+    pytest.param(
+        UNIFORM_4x8, [1], [0, 2, 3],
+        {0: (0, 1, 2), 2: (4, 5, 3), 3: (6, 7)},
+        "replicas [1] lost; their 2 microbatches reassigned to the least-loaded survivors: "
+        "1 to replica 0, 1 to replica 2",
+        id="one-lost-equal-loads-tie-breaks-in-member-order",
+    ),
+    pytest.param(
+        UNIFORM_4x8, [3, 1], [0, 2],
+        {0: (0, 1, 2, 6), 2: (4, 5, 3, 7)},
+        "replicas [1, 3] lost; their 4 microbatches reassigned to the least-loaded survivors: "
+        "2 to replica 0, 2 to replica 2",
+        id="two-lost-at-once",
+    ),
+    pytest.param(
+        {0: (0, 1, 2), 1: (3, 4, 5), 2: (6, 7)}, [0], [1, 2],
+        {1: (3, 4, 5, 1), 2: (6, 7, 0, 2)},
+        "their 3 microbatches reassigned to the least-loaded survivors: "
+        "1 to replica 1, 2 to replica 2",
+        id="least-loaded-first-then-tie",
+    ),
+    pytest.param(
+        {0: (0,), 1: (1,), 2: (2,)}, [1], [2, 0],
+        {2: (2, 1), 0: (0,)},
+        "1 to replica 2",
+        id="tie-goes-to-earlier-member-not-lower-id",
+    ),
+    pytest.param(
+        {0: (0, 1), 1: (2, 3)}, [1], [0],
+        {0: (0, 1, 2, 3)},
+        "their 2 microbatches reassigned to the least-loaded survivors: 2 to replica 0",
+        id="single-survivor-takes-all",
+    ),
+    pytest.param(
+        {0: (0, 1, 2, 3), 1: (4, 5, 6, 7), 2: ()}, [2], [0, 1],
+        {0: (0, 1, 2, 3), 1: (4, 5, 6, 7)},
+        "replicas [2] lost with no microbatches; plan unchanged",
+        id="lost-replica-had-no-microbatches",
+    ),
+    pytest.param(
+        {0: (0, 1), 1: (2, 3)}, [9], [0, 1],
+        {0: (0, 1), 1: (2, 3)},
+        "replicas [9] lost with no microbatches; plan unchanged",
+        id="lost-replica-absent-from-plan",
+    ),
+    pytest.param(
+        {0: (3, 0), 1: (1,), 2: (2,)}, [0], [1, 2],
+        {1: (1, 0), 2: (2, 3)},
+        "their 2 microbatches reassigned",
+        id="orphans-handed-out-in-id-order",
+    ),
+]
+
+
+@pytest.mark.parametrize(("current", "lost", "survivors", "expected", "reason"), REASSIGN_ROWS)
+def test_reassign_lost(current, lost, survivors, expected, reason):
+    before = {r: tuple(ids) for r, ids in current.items()}
+    decision = reassign_lost(current, lost, survivors)
+    assert decision.assignment == expected
+    assert reason in decision.reason
+    # Survivors keep their own ids, first and in order (superset property).
+    for replica in survivors:
+        kept = tuple(current[replica])
+        assert decision.assignment[replica][: len(kept)] == kept
+    assert set(decision.assignment) == set(survivors)
+    assert {r: tuple(ids) for r, ids in current.items()} == before, "input plan was mutated"
+
+
+@pytest.mark.parametrize(
+    ("current", "lost", "survivors", "reason"),
+    [
+        pytest.param(UNIFORM_4x8, [2, 0, 1, 3], [], "replicas [0, 1, 2, 3] lost and no survivor left",
+                     id="no-survivor"),
+        pytest.param({0: (0, 1), 1: (2, 3)}, [1], [0, 4], "survivors [4] have no assignment",
+                     id="survivor-unknown-to-plan"),
+    ],
+)
+def test_reassign_lost_rejects(current, lost, survivors, reason):
+    with pytest.raises(PolicyError) as info:
+        reassign_lost(current, lost, survivors)
+    assert reason in str(info.value)
+
+
+# ---------------------------------------------------------------- check_plan
+
+CHECK_ROWS = [
+    pytest.param({0: (0, 1), 1: (2, 3)}, 4, None, id="valid"),
+    pytest.param({1: (3, 2), 0: (1, 0)}, 4, None, id="valid-any-order"),
+    pytest.param({0: (0, 1, 2, 3), 1: ()}, 4, None, id="valid-with-idle-member"),
+    pytest.param({0: (0, 1), 1: (3,)}, 4, "missing [2], duplicated []", id="missing-one"),
+    pytest.param({0: (0, 1), 1: (1, 2, 3)}, 4, "missing [], duplicated [1]", id="duplicated-one"),
+    pytest.param({0: (0, 0), 1: (2, 2)}, 4, "missing [1, 3], duplicated [0, 2]",
+                 id="missing-and-duplicated"),
+    pytest.param({}, 2, "missing [0, 1]", id="empty-plan"),
+    pytest.param({0: (0, 1, 2)}, 2, "plan covers the wrong microbatches", id="id-beyond-M"),
+]
+
+
+@pytest.mark.parametrize(("assignment", "m", "reason"), CHECK_ROWS)
+def test_check_plan(assignment, m, reason):
+    problem = check_plan(assignment, m)
+    if reason is None:
+        assert problem is None
+    else:
+        assert problem is not None
+        assert reason in problem
+
+
+@pytest.mark.parametrize(("assignment", "m", "bad"), [
+    pytest.param({0: (0, 1, 2)}, 2, "2", id="beyond-M"),
+    pytest.param({0: (-1, 0, 1)}, 2, "-1", id="negative"),
+])
+def test_check_plan_reason_names_out_of_range_ids(assignment, m, bad):
+    problem = check_plan(assignment, m)
+    assert problem is not None
+    assert bad in problem
+
+
+# ---------------------------------------------------------------- property
+
+def _assert_superset(old, new, survivors):
+    for replica in survivors:
+        kept = tuple(old[replica])
+        assert new[replica][: len(kept)] == kept
+
+
+def test_successive_reassignments_always_cover_every_microbatch_once():
+    plans_checked = 0
+    for seed in range(300):
+        rng = random.Random(seed)
+        replicas = rng.randint(1, 8)
+        members = rng.sample(range(32), replicas)
+        m = rng.randint(1, 40)
+        decision = uniform_plan(members, m)
+        assert check_plan(decision.assignment, m) is None, (seed, decision)
+        plan = decision.assignment
+        while len(members) > 1 and rng.random() < 0.8:
+            if rng.random() < 0.25:
+                # A commit in between: the coordinator re-plans uniformly.
+                plan = uniform_plan(members, m).assignment
+            lost = rng.sample(members, rng.randint(1, len(members) - 1))
+            survivors = [r for r in members if r not in lost]
+            orphaned = sorted(mb for r in lost for mb in plan[r])
+            decision = reassign_lost(plan, lost, survivors)
+            new = decision.assignment
+            context = (seed, members, lost, plan, new)
+            assert check_plan(new, m) is None, context
+            assert list(new) == survivors, context
+            _assert_superset(plan, new, survivors)
+            gained = sorted(mb for r in survivors for mb in new[r][len(plan[r]):])
+            assert gained == orphaned, context
+            # Deterministic: the same inputs give the same decision.
+            assert reassign_lost(plan, lost, survivors) == decision
+            plan, members = new, survivors
+            plans_checked += 1
+    assert plans_checked > 300  # the loop really exercised reassignments
