@@ -72,7 +72,7 @@ class Agent:
         channel = grpc.aio.insecure_channel(cfg.controller)
         try:
             await asyncio.wait_for(channel.channel_ready(), cfg.connect_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             await channel.close()
             raise AgentError(f"cannot reach the controller at {cfg.controller} "
                              f"(nothing answered within {cfg.connect_timeout_s:.0f}s)") from None

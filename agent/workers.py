@@ -11,6 +11,7 @@ from typing import IO
 
 from recover.proto import pb
 
+
 @dataclass
 class WorkerProcess:
     replica: int

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections import Counter
 from typing import Any
@@ -39,7 +40,7 @@ def failure_entry(failure: pb.FailureRecord, started_at: float) -> dict[str, Any
 def step_time(steps: list[pb.StepRecord]) -> dict[str, float] | None:
     """Median step wall time (commit to commit) and where it goes, failure-free steps only."""
     walls, compute, reduce = [], [], []
-    for previous, record in zip(steps, steps[1:]):
+    for previous, record in itertools.pairwise(steps):
         if record.generation == previous.generation:  # skip steps that included a recovery
             walls.append(record.committed_at - previous.committed_at)
             compute.append(record.compute_s)

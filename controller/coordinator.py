@@ -298,7 +298,7 @@ class Coordinator:
 
     async def _commit(self) -> None:
         reports = [self._progress.reduced[m] for m in self.members]
-        assignment = {m: tuple(r.microbatch_ids) for m, r in zip(self.members, reports)}
+        assignment = {m: tuple(r.microbatch_ids) for m, r in zip(self.members, reports, strict=True)}
         problem = policy.check_plan(assignment, self.job.global_microbatches)
         if problem is not None:
             await self._fail(f"refusing to commit step {self.step}: {problem}")

@@ -70,7 +70,7 @@ class FaultInjector:
     """Fires this replica's faults; `note` tells the agent first."""
 
     def __init__(self, faults: Iterable[pb.FaultSpec], replica: int,
-                 note: "callable[[pb.FaultNote], None]") -> None:  # type: ignore[valid-type]
+                 note: callable[[pb.FaultNote], None]) -> None:  # type: ignore[valid-type]
         self._faults = [f for f in faults if f.replica == replica]
         self._note = note
 

@@ -54,7 +54,7 @@ def assert_same_training(summary: dict[str, Any], reference: dict[str, Any]) -> 
     assert summary["steps_committed"] == steps
     assert summary["microbatches_per_step"] == [summary["global_microbatches"]] * steps
     assert summary["sample_digest_per_step"] == reference["sample_digest_per_step"]
-    for got, want in zip(summary["loss_per_step"], reference["loss_per_step"]):
+    for got, want in zip(summary["loss_per_step"], reference["loss_per_step"], strict=True):
         assert abs(got - want) <= 1e-4 * abs(want), (got, want)
     # No survivor applied a step another live replica did not: after every
     # step, every replica that reported holds the same parameters.

@@ -8,7 +8,6 @@ fails the test instead of training.
 
 from __future__ import annotations
 
-import functools
 import logging
 import subprocess
 import sys
@@ -16,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-import recover.cli.inspect as inspect_mod
 import recover.cli.launcher as launcher_mod
 import recover.controller.server as server_mod
 from recover.cli.jobargs import UsageError, job_from_args, job_to_args, parse_address
