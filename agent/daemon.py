@@ -22,6 +22,7 @@ import grpc
 
 from recover.agent.local import WorkerChannelService
 from recover.agent.workers import WorkerProcess, exit_report, spawn_worker, stop_workers
+from recover.common import progress
 from recover.proto import pb, rpc
 
 log = logging.getLogger("recover.agent")
@@ -88,8 +89,10 @@ class Agent:
                     raise AgentError("the controller closed the session before registering us")
                 registered = first.registered
                 server, address = await self._serve_workers(registered.job, Path(socket_dir))
-                await self._spawn(list(registered.replica_ids), registered.job, address)
-                tasks = [asyncio.create_task(self._heartbeat())]
+                await self._spawn(list(registered.replica_ids), registered.job, address,
+                                  Path(socket_dir))
+                tasks = [asyncio.create_task(self._heartbeat()),
+                         asyncio.create_task(self._watchdog(registered.job))]
                 tasks += [asyncio.create_task(self._watch(w)) for w in self.workers.values()]
                 while (message := await call.read()) is not grpc.aio.EOF:
                     if self._handle(message):
@@ -121,12 +124,14 @@ class Agent:
         await server.start()
         return server, address
 
-    async def _spawn(self, replicas: list[int], job: pb.JobConfig, address: str) -> None:
+    async def _spawn(self, replicas: list[int], job: pb.JobConfig, address: str,
+                     run_dir: Path) -> None:
         log_dir = Path(self.config.log_dir) if self.config.log_dir else None
         for slot, replica in enumerate(replicas):
             self.workers[replica] = await spawn_worker(
                 self.config.command, replica=replica, slot=slot, agent_id=self.config.agent_id,
-                agent_address=address, job_id=job.job_id, log_dir=log_dir)
+                agent_address=address, job_id=job.job_id, log_dir=log_dir,
+                progress_path=run_dir / f"progress-{replica}.bin")
             log.info("spawned worker pid %d", self.workers[replica].pid, extra={"replica": replica})
 
     async def _watch(self, worker: WorkerProcess) -> None:
@@ -138,6 +143,29 @@ class Agent:
         self._upstream.put_nowait(pb.AgentMessage(worker_exited=report))
         log.warning("worker exited (code %d, signal %d)", report.exit_code, report.signal,
                     extra={"replica": worker.replica})
+
+    async def _watchdog(self, job: pb.JobConfig) -> None:
+        """Kill workers that stopped making progress; their exit is then a plain crash."""
+        timeout_s = job.hang_timeout_s or 2.0
+        factor = job.hang_factor or 10.0
+        while True:
+            await asyncio.sleep(progress.BEAT_PERIOD_S)
+            now = time.monotonic()
+            for worker in self.workers.values():
+                if worker.process.returncode is not None or worker.killed_by_agent:
+                    continue
+                snapshot = progress.read(worker.progress_path) if worker.progress_path else None
+                if snapshot is None:
+                    continue
+                verdict = progress.judge(snapshot, now, timeout_s, factor)
+                if verdict.hung:
+                    worker.killed_by_agent = f"watchdog: {verdict.reason}"
+                    log.warning("killing hung worker: %s", verdict.reason,
+                                extra={"replica": worker.replica})
+                    try:
+                        worker.process.kill()
+                    except ProcessLookupError:
+                        pass
 
     async def _heartbeat(self) -> None:
         while True:

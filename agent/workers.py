@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from recover.common import progress
 from recover.proto import pb
 
 
@@ -20,6 +21,10 @@ class WorkerProcess:
     log_file: IO[bytes] | None = None
     fault: pb.FaultNote | None = None
     """What the worker said about the fault it injected into itself, if any."""
+    progress_path: Path | None = None
+    """The worker's progress file (see recover.common.progress)."""
+    killed_by_agent: str = ""
+    """Why the agent killed this worker (the watchdog's verdict), if it did."""
     commands: asyncio.Queue[pb.WorkerCommand | None] = field(default_factory=asyncio.Queue)
 
     @property
@@ -36,6 +41,7 @@ async def spawn_worker(
     agent_address: str,
     job_id: str,
     log_dir: Path | None,
+    progress_path: Path | None = None,
 ) -> WorkerProcess:
     """Start one worker with its identity in RECOVER_* variables (like torchrun's RANK)."""
     env = dict(os.environ)
@@ -50,6 +56,9 @@ async def spawn_worker(
         "RECOVER_AGENT_PID": str(os.getpid()),
         "PYTHONUNBUFFERED": "1",
     })
+    if progress_path is not None:
+        progress.create(progress_path)
+        env["RECOVER_PROGRESS_FILE"] = str(progress_path)
     log_file = None
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -57,7 +66,7 @@ async def spawn_worker(
     process = await asyncio.create_subprocess_exec(
         *command, env=env, stdin=asyncio.subprocess.DEVNULL,
         stdout=log_file, stderr=log_file)
-    return WorkerProcess(replica, slot, process, log_file)
+    return WorkerProcess(replica, slot, process, log_file, progress_path=progress_path)
 
 
 def exit_report(worker: WorkerProcess, returncode: int) -> pb.WorkerExited:
@@ -69,6 +78,7 @@ def exit_report(worker: WorkerProcess, returncode: int) -> pb.WorkerExited:
     )
     if worker.fault is not None:
         report.fault.CopyFrom(worker.fault)
+    report.killed_by_agent = worker.killed_by_agent
     return report
 
 

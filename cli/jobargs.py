@@ -43,11 +43,22 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
                      help="sequences per microbatch (default 8)")
     job.add_argument("--seed", type=int, default=0, help="seed of init, data and dropout (default 0)")
     job.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
-    job.add_argument("--reduce", choices=["fast"], default="fast",
-                     help="gradient reduction: fast = float32 sum (default)")
+    job.add_argument("--reduce", choices=["fast", "exact"], default="fast",
+                     help="gradient reduction: fast = float32 sum (default); exact = int64 fixed "
+                          "point, bitwise identical to the failure-free run")
+    job.add_argument("--policy", choices=["recover", "drop"], default="recover",
+                     help="what happens to a lost replica's microbatches: recover = survivors "
+                          "compute them (default); drop = the step goes on without them (ablation)")
+    job.add_argument("--hang-timeout", type=float, default=2.0,
+                     help="watchdog: seconds without a liveness beat, and the least time one "
+                          "microbatch may take, before a worker is killed as hung (default 2)")
+    job.add_argument("--hang-factor", type=float, default=10.0,
+                     help="watchdog: a microbatch may take this many times the worker's typical "
+                          "microbatch time (default 10)")
     job.add_argument("--kill", action="append", default=[], metavar="SPEC",
-                     help="inject a fault: step=S,replica=R,phase=P[,microbatch=K]; phases: "
-                          "forward, backward, reduce, commit, rebuild, recompute (repeatable)")
+                     help="inject a fault: step=S,replica=R,phase=P[,microbatch=K][,seconds=X]; "
+                          "crash phases: forward, backward, reduce, commit, rebuild, recompute; "
+                          "hangs: stop, spin, deadlock; slow (alive, seconds=X per microbatch)")
     job.add_argument("--job-id", default=None, help="name of the job (default: random)")
     model = parser.add_argument_group("model (reference GPT)")
     model.add_argument("--n-layer", type=positive_int, default=2)
@@ -72,6 +83,9 @@ def job_from_args(args: argparse.Namespace) -> pb.JobConfig:
     if not 0 < args.group_timeout < math.inf:
         raise UsageError(f"--group-timeout must be a positive number of seconds, "
                          f"got {args.group_timeout}")
+    for flag, value in (("--hang-timeout", args.hang_timeout), ("--hang-factor", args.hang_factor)):
+        if not 0 < value < math.inf:
+            raise UsageError(f"{flag} must be a positive number, got {value}")
     faults = []
     for text in args.kill:
         try:
@@ -93,7 +107,8 @@ def job_from_args(args: argparse.Namespace) -> pb.JobConfig:
         model=pb.ModelConfig(vocab_size=args.vocab_size, seq_len=args.seq_len,
                              n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
                              dropout=0.1),
-        faults=faults, group_timeout_s=args.group_timeout, corpus_seed=1234)
+        faults=faults, group_timeout_s=args.group_timeout, corpus_seed=1234,
+        policy=args.policy, hang_timeout_s=args.hang_timeout, hang_factor=args.hang_factor)
 
 
 def job_to_args(job: pb.JobConfig) -> list[str]:
@@ -106,6 +121,8 @@ def job_to_args(job: pb.JobConfig) -> list[str]:
         "--n-layer", str(job.model.n_layer), "--n-embd", str(job.model.n_embd),
         "--n-head", str(job.model.n_head), "--seq-len", str(job.model.seq_len),
         "--vocab-size", str(job.model.vocab_size), "--group-timeout", repr(job.group_timeout_s),
+        "--policy", job.policy or "recover", "--hang-timeout", repr(job.hang_timeout_s),
+        "--hang-factor", repr(job.hang_factor),
     ]
     for fault in job.faults:
         args += ["--kill", format_fault_spec(fault)]

@@ -5,6 +5,8 @@
     recover agent       one per host: runs that host's workers
     recover status      a running job's state
     recover events      a running job's event log
+    recover verify      compare two runs' ledgers and parameter digests step by step
+    recover plot        draw loss per step of several runs, failures marked
 
 User mistakes end in one line on stderr and exit code 2, never a traceback.
 """
@@ -73,6 +75,17 @@ def build_parser() -> Parser:
                        help="seconds to wait for the controller to answer")
         if name == "events":
             p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
+    verify = sub.add_parser("verify", help="compare two runs step by step (samples, parameters)")
+    verify.add_argument("run_a", help="a run directory (with summary.json) or a summary.json")
+    verify.add_argument("run_b")
+    verify.add_argument("--loss-rtol", type=float, default=0.0,
+                        help="tolerated relative loss difference (default 0: exact)")
+
+    plot = sub.add_parser("plot", help="plot loss per step of runs (the first is the reference)")
+    plot.add_argument("runs", nargs="+", help="run directories or summary.json files")
+    plot.add_argument("--out", required=True, help="PNG file to write")
+    plot.add_argument("--label", action="append", default=None,
+                      help="legend label per run, in order (repeatable)")
     return parser
 
 
@@ -131,6 +144,15 @@ def main(argv: list[str] | None = None) -> int:
             return _run_controller(args)
         if args.command == "agent":
             return _run_agent(args)
+        if args.command == "verify":
+            from recover.cli import verify
+
+            return verify.main(args.run_a, args.run_b, args.loss_rtol)
+        if args.command == "plot":
+            from recover.cli import plot
+
+            print(f"wrote {plot.plot(args.runs, args.out, args.label)}")
+            return 0
         from recover.cli import inspect
 
         parse_address(args.controller)

@@ -114,6 +114,9 @@ class Coordinator:
         self.members: list[int] = []
         self.step = 0
         self.plan: dict[int, tuple[int, ...]] = {}
+        self.scale_epoch = 0
+        """Exact reduction: overflow redos of the current step so far."""
+        self.redos = 0
         self._progress = _StepProgress()
         self.steps: list[pb.StepRecord] = []
         self.failures: list[pb.FailureRecord] = []
@@ -206,7 +209,10 @@ class Coordinator:
         if info is None or not info.alive:
             return
         how = f"signal {exited.signal}" if exited.signal else f"exit code {exited.exit_code}"
-        cause = "injected" if exited.HasField("fault") else "external"
+        if exited.killed_by_agent:
+            cause = "watchdog"
+        else:
+            cause = "injected" if exited.HasField("fault") else "external"
         self._record_failure(exited.replica, cause, exited)
         if self.state is JobState.WAITING:
             info.alive = False
@@ -293,13 +299,21 @@ class Coordinator:
             await self._maybe_finish()
             return
         self.recoveries += 1
-        decision = policy.reassign_lost(self.plan, lost, survivors)
+        if self.job.policy == "drop":
+            decision = policy.drop_lost(self.plan, lost, survivors)
+        else:
+            decision = policy.reassign_lost(self.plan, lost, survivors)
         await self._new_generation(survivors, decision)
 
     async def _commit(self) -> None:
         reports = [self._progress.reduced[m] for m in self.members]
+        if any(r.overflow for r in reports):
+            await self._redo_overflowed_step(reports)
+            return
         assignment = {m: tuple(r.microbatch_ids) for m, r in zip(self.members, reports, strict=True)}
-        problem = policy.check_plan(assignment, self.job.global_microbatches)
+        planned = [mb for ids in self.plan.values() for mb in ids]
+        problem = policy.check_plan(assignment, self.job.global_microbatches,
+                                    planned if self.job.policy == "drop" else None)
         if problem is not None:
             await self._fail(f"refusing to commit step {self.step}: {problem}")
             return
@@ -319,6 +333,7 @@ class Coordinator:
         await self._store.put(f"{self._prefix}steps/{self.step:010d}", record.SerializeToString())
         self.steps.append(record)
         step, self.step = self.step, self.step + 1
+        self.scale_epoch = 0
         final = self.step >= job.steps
         commit = pb.Commit(step=step, generation=self.generation, final=final)
         if not final:
@@ -327,6 +342,21 @@ class Coordinator:
             commit.next_plan.CopyFrom(self._plan_message(self.step, decision))
         self._progress.reduced.clear()
         self._broadcast(pb.ControllerMessage(commit=commit))
+
+    async def _redo_overflowed_step(self, reports: list[pb.Reduced]) -> None:
+        """Exact reduction overflowed its predicted scale: redo the step at a lower one.
+
+        A new generation (same members, same plan, next scale epoch) rather than
+        a side message: it reuses fencing, so a member whose allreduce failed
+        while others saw the overflow cannot end up on a different scale.
+        """
+        self.scale_epoch += 1
+        self.redos += 1
+        overflow = max(r.overflow for r in reports)
+        decision = policy.PlanDecision(
+            dict(self.plan), f"exact reduction: {overflow} microbatches overflowed the predicted "
+            f"scale; redo step {self.step} at scale epoch {self.scale_epoch}")
+        await self._new_generation(list(self.members), decision)
 
     async def _maybe_finish(self) -> None:
         if self.state is not JobState.RUNNING or self.step < self.job.steps:
@@ -373,6 +403,7 @@ class Coordinator:
     def _plan_message(self, step: int, decision: policy.PlanDecision) -> pb.Plan:
         return pb.Plan(
             step=step, generation=self.generation, reason=decision.reason,
+            scale_epoch=self.scale_epoch if step == self.step else 0,
             assignments=[pb.Assignment(replica=r, microbatch_ids=ids)
                          for r, ids in decision.assignment.items()])
 
@@ -395,6 +426,7 @@ class Coordinator:
         self.failures.append(record)
         if self.state is JobState.RUNNING:
             self._unrecovered.append(record)
-        self.events.emit("replica-failed", f"{cause} failure in phase {record.phase}",
+        detail = f" ({exited.killed_by_agent})" if exited is not None and exited.killed_by_agent else ""
+        self.events.emit("replica-failed", f"{cause} failure in phase {record.phase}{detail}",
                          step=record.step, generation=self.generation, replica=replica,
                          level=logging.WARNING)

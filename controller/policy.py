@@ -92,12 +92,36 @@ def reassign_lost(
     return PlanDecision(assignment, reason)
 
 
-def check_plan(assignment: Mapping[int, Sequence[int]], global_microbatches: int) -> str | None:
-    """Return why `assignment` breaks the invariant, or None when it covers 0..M-1 once."""
+def drop_lost(
+    current: Mapping[int, Sequence[int]],
+    lost: Sequence[int],
+    survivors: Sequence[int],
+) -> PlanDecision:
+    """The shrinking-batch ablation: the lost replicas' microbatches are simply not computed.
+
+    This breaks the invariant on purpose (what systems that shrink the batch
+    do); it exists to measure the drift the invariant prevents.
+    """
+    if not survivors:
+        raise PolicyError(f"replicas {sorted(lost)} lost and no survivor left")
+    dropped = sorted(mb for r in lost for mb in current.get(r, ()))
+    assignment = {r: tuple(current.get(r, ())) for r in survivors}
+    reason = (f"drop policy: replicas {sorted(lost)} lost; their {len(dropped)} microbatches "
+              f"{dropped} are dropped from this step")
+    return PlanDecision(assignment, reason)
+
+
+def check_plan(assignment: Mapping[int, Sequence[int]], global_microbatches: int,
+               expected_ids: Sequence[int] | None = None) -> str | None:
+    """Why `assignment` breaks the invariant, or None when it covers 0..M-1 once.
+
+    `expected_ids` replaces 0..M-1 when a plan legitimately covers less (the drop policy).
+    """
     seen: list[int] = sorted(mb for ids in assignment.values() for mb in ids)
-    if seen == list(range(global_microbatches)):
+    expected_list = sorted(expected_ids) if expected_ids is not None else list(range(global_microbatches))
+    if seen == expected_list:
         return None
-    expected = set(range(global_microbatches))
+    expected = set(expected_list)
     missing = sorted(expected - set(seen))
     duplicated = sorted({mb for mb in seen if seen.count(mb) > 1})
     outside = sorted({mb for mb in seen if mb not in expected})

@@ -137,4 +137,5 @@ def job_status(c: Coordinator) -> pb.JobStatus:
         tokens=sum(s.tokens for s in c.steps),
         elapsed_s=now - c.started_at if c.started_at else 0.0,
         agents=sum(a.alive for a in c.agents.values()),
+        redos=c.redos,
     )

@@ -23,19 +23,21 @@ class ModelConfig(_message.Message):
     def __init__(self, vocab_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., n_layer: _Optional[int] = ..., n_head: _Optional[int] = ..., n_embd: _Optional[int] = ..., dropout: _Optional[float] = ...) -> None: ...
 
 class FaultSpec(_message.Message):
-    __slots__ = ("step", "replica", "phase", "microbatch")
+    __slots__ = ("step", "replica", "phase", "microbatch", "seconds")
     STEP_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
     step: int
     replica: int
     phase: str
     microbatch: int
-    def __init__(self, step: _Optional[int] = ..., replica: _Optional[int] = ..., phase: _Optional[str] = ..., microbatch: _Optional[int] = ...) -> None: ...
+    seconds: float
+    def __init__(self, step: _Optional[int] = ..., replica: _Optional[int] = ..., phase: _Optional[str] = ..., microbatch: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class JobConfig(_message.Message):
-    __slots__ = ("job_id", "replicas", "steps", "global_microbatches", "microbatch_size", "seed", "reduce", "learning_rate", "model", "faults", "group_timeout_s", "corpus_seed")
+    __slots__ = ("job_id", "replicas", "steps", "global_microbatches", "microbatch_size", "seed", "reduce", "learning_rate", "model", "faults", "group_timeout_s", "corpus_seed", "policy", "hang_timeout_s", "hang_factor")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +50,9 @@ class JobConfig(_message.Message):
     FAULTS_FIELD_NUMBER: _ClassVar[int]
     GROUP_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     CORPUS_SEED_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    HANG_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    HANG_FACTOR_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     replicas: int
     steps: int
@@ -60,7 +65,10 @@ class JobConfig(_message.Message):
     faults: _containers.RepeatedCompositeFieldContainer[FaultSpec]
     group_timeout_s: float
     corpus_seed: int
-    def __init__(self, job_id: _Optional[str] = ..., replicas: _Optional[int] = ..., steps: _Optional[int] = ..., global_microbatches: _Optional[int] = ..., microbatch_size: _Optional[int] = ..., seed: _Optional[int] = ..., reduce: _Optional[str] = ..., learning_rate: _Optional[float] = ..., model: _Optional[_Union[ModelConfig, _Mapping]] = ..., faults: _Optional[_Iterable[_Union[FaultSpec, _Mapping]]] = ..., group_timeout_s: _Optional[float] = ..., corpus_seed: _Optional[int] = ...) -> None: ...
+    policy: str
+    hang_timeout_s: float
+    hang_factor: float
+    def __init__(self, job_id: _Optional[str] = ..., replicas: _Optional[int] = ..., steps: _Optional[int] = ..., global_microbatches: _Optional[int] = ..., microbatch_size: _Optional[int] = ..., seed: _Optional[int] = ..., reduce: _Optional[str] = ..., learning_rate: _Optional[float] = ..., model: _Optional[_Union[ModelConfig, _Mapping]] = ..., faults: _Optional[_Iterable[_Union[FaultSpec, _Mapping]]] = ..., group_timeout_s: _Optional[float] = ..., corpus_seed: _Optional[int] = ..., policy: _Optional[str] = ..., hang_timeout_s: _Optional[float] = ..., hang_factor: _Optional[float] = ...) -> None: ...
 
 class Assignment(_message.Message):
     __slots__ = ("replica", "microbatch_ids")
@@ -71,16 +79,18 @@ class Assignment(_message.Message):
     def __init__(self, replica: _Optional[int] = ..., microbatch_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("step", "generation", "assignments", "reason")
+    __slots__ = ("step", "generation", "assignments", "reason", "scale_epoch")
     STEP_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENTS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    SCALE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     step: int
     generation: int
     assignments: _containers.RepeatedCompositeFieldContainer[Assignment]
     reason: str
-    def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., assignments: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., reason: _Optional[str] = ...) -> None: ...
+    scale_epoch: int
+    def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., assignments: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., reason: _Optional[str] = ..., scale_epoch: _Optional[int] = ...) -> None: ...
 
 class GenerationView(_message.Message):
     __slots__ = ("generation", "members", "rendezvous", "plan")
@@ -135,7 +145,7 @@ class Resumed(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., at: _Optional[float] = ..., rebuild_s: _Optional[float] = ...) -> None: ...
 
 class Reduced(_message.Message):
-    __slots__ = ("generation", "step", "microbatch_ids", "sample_ids", "loss", "compute_s", "reduce_s")
+    __slots__ = ("generation", "step", "microbatch_ids", "sample_ids", "loss", "compute_s", "reduce_s", "overflow", "scale_epoch")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +153,8 @@ class Reduced(_message.Message):
     LOSS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     REDUCE_S_FIELD_NUMBER: _ClassVar[int]
+    OVERFLOW_FIELD_NUMBER: _ClassVar[int]
+    SCALE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     generation: int
     step: int
     microbatch_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -150,7 +162,9 @@ class Reduced(_message.Message):
     loss: float
     compute_s: float
     reduce_s: float
-    def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., microbatch_ids: _Optional[_Iterable[int]] = ..., sample_ids: _Optional[_Iterable[int]] = ..., loss: _Optional[float] = ..., compute_s: _Optional[float] = ..., reduce_s: _Optional[float] = ...) -> None: ...
+    overflow: int
+    scale_epoch: int
+    def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., microbatch_ids: _Optional[_Iterable[int]] = ..., sample_ids: _Optional[_Iterable[int]] = ..., loss: _Optional[float] = ..., compute_s: _Optional[float] = ..., reduce_s: _Optional[float] = ..., overflow: _Optional[int] = ..., scale_epoch: _Optional[int] = ...) -> None: ...
 
 class Applied(_message.Message):
     __slots__ = ("step", "param_sha256")
@@ -201,18 +215,20 @@ class FaultNote(_message.Message):
     def __init__(self, step: _Optional[int] = ..., phase: _Optional[str] = ..., killed_at: _Optional[float] = ...) -> None: ...
 
 class WorkerExited(_message.Message):
-    __slots__ = ("replica", "exit_code", "signal", "observed_at", "fault")
+    __slots__ = ("replica", "exit_code", "signal", "observed_at", "fault", "killed_by_agent")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     SIGNAL_FIELD_NUMBER: _ClassVar[int]
     OBSERVED_AT_FIELD_NUMBER: _ClassVar[int]
     FAULT_FIELD_NUMBER: _ClassVar[int]
+    KILLED_BY_AGENT_FIELD_NUMBER: _ClassVar[int]
     replica: int
     exit_code: int
     signal: int
     observed_at: float
     fault: FaultNote
-    def __init__(self, replica: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., observed_at: _Optional[float] = ..., fault: _Optional[_Union[FaultNote, _Mapping]] = ...) -> None: ...
+    killed_by_agent: str
+    def __init__(self, replica: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., observed_at: _Optional[float] = ..., fault: _Optional[_Union[FaultNote, _Mapping]] = ..., killed_by_agent: _Optional[str] = ...) -> None: ...
 
 class AgentMessage(_message.Message):
     __slots__ = ("register", "heartbeat", "worker_exited", "report")
@@ -283,7 +299,7 @@ class ReplicaLoad(_message.Message):
     def __init__(self, replica: _Optional[int] = ..., microbatches: _Optional[int] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("state", "reason", "generation", "steps_committed", "steps_total", "live_replicas", "load", "recoveries", "last_loss", "tokens", "elapsed_s", "agents", "job_id")
+    __slots__ = ("state", "reason", "generation", "steps_committed", "steps_total", "live_replicas", "load", "recoveries", "last_loss", "tokens", "elapsed_s", "agents", "job_id", "redos")
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -297,6 +313,7 @@ class JobStatus(_message.Message):
     ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
     AGENTS_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    REDOS_FIELD_NUMBER: _ClassVar[int]
     state: str
     reason: str
     generation: int
@@ -310,7 +327,8 @@ class JobStatus(_message.Message):
     elapsed_s: float
     agents: int
     job_id: str
-    def __init__(self, state: _Optional[str] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., steps_committed: _Optional[int] = ..., steps_total: _Optional[int] = ..., live_replicas: _Optional[_Iterable[int]] = ..., load: _Optional[_Iterable[_Union[ReplicaLoad, _Mapping]]] = ..., recoveries: _Optional[int] = ..., last_loss: _Optional[float] = ..., tokens: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., agents: _Optional[int] = ..., job_id: _Optional[str] = ...) -> None: ...
+    redos: int
+    def __init__(self, state: _Optional[str] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., steps_committed: _Optional[int] = ..., steps_total: _Optional[int] = ..., live_replicas: _Optional[_Iterable[int]] = ..., load: _Optional[_Iterable[_Union[ReplicaLoad, _Mapping]]] = ..., recoveries: _Optional[int] = ..., last_loss: _Optional[float] = ..., tokens: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., agents: _Optional[int] = ..., job_id: _Optional[str] = ..., redos: _Optional[int] = ...) -> None: ...
 
 class EventsRequest(_message.Message):
     __slots__ = ("after_seq",)

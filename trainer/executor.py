@@ -19,12 +19,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from recover.common.progress import ProgressBeacon
 from recover.proto import pb
 from recover.trainer.channel import AgentChannel
 from recover.trainer.collectives import CollectiveAborted, GenerationGroup, GroupSpec
 from recover.trainer.data import SyntheticCorpus, microbatch_sample_ids, microbatch_seed
-from recover.trainer.faults import FaultInjector
+from recover.trainer.faults import HANG_PHASES, FaultInjector
 from recover.trainer.model import parameter_digest
+from recover.trainer.reduction import FlatGradients, Reduced, make_accumulator
 
 log = logging.getLogger("recover.trainer")
 
@@ -52,8 +54,9 @@ class StepState:
     done: list[int] = field(default_factory=list)
     """Microbatches already accumulated into the parameters' .grad, in order."""
     sample_ids: list[int] = field(default_factory=list)
-    loss_sum: float = 0.0
-    reduced: torch.Tensor | None = None
+    scale_epoch: int = 0
+    """Exact reduction: the fixed-point scale the accumulation was made at."""
+    reduced: Reduced | None = None
     """The reduced gradient (a copy) awaiting the commit."""
     compute_s: float = 0.0
 
@@ -61,14 +64,17 @@ class StepState:
 class StepExecutor:
     def __init__(self, job: pb.JobConfig, replica: int, channel: AgentChannel,
                  model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 corpus: SyntheticCorpus) -> None:
+                 corpus: SyntheticCorpus, beacon: ProgressBeacon | None = None) -> None:
         self.job = job
         self.replica = replica
         self.channel = channel
         self.model = model
         self.optimizer = optimizer
         self.corpus = corpus
+        self.beacon = beacon
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.grads = FlatGradients(self.params)
+        self.accumulator = make_accumulator(job.reduce, self.grads, job.global_microbatches)
         self.faults = FaultInjector(job.faults, replica, channel.note_fault)
         self.generation = 0
         self.members: list[int] = []
@@ -180,6 +186,11 @@ class StepExecutor:
         mine = next((list(a.microbatch_ids) for a in plan.assignments if a.replica == self.replica),
                     [])
         s = self.state
+        if plan.scale_epoch != s.scale_epoch:
+            # The exact scale changed (an overflow redo): what was accumulated at
+            # the old scale cannot be mixed with the new one; start the step over.
+            s.done, s.sample_ids, s.original, s.scale_epoch = [], [], set(), plan.scale_epoch
+            self.accumulator.reset(plan.scale_epoch)
         missing = [mb for mb in s.done if mb not in mine]
         if missing:
             raise RuntimeError(f"plan of step {plan.step} drops microbatches {missing} this "
@@ -190,6 +201,13 @@ class StepExecutor:
             s.original = set(mine)
 
     def _compute(self, microbatch: int) -> None:
+        if self.beacon is not None:
+            self.beacon.compute_started()
+        self._compute_microbatch(microbatch)
+        if self.beacon is not None:
+            self.beacon.compute_finished()
+
+    def _compute_microbatch(self, microbatch: int) -> None:
         s, job = self.state, self.job
         started = time.perf_counter()
         position = len(s.done)
@@ -201,9 +219,15 @@ class StepExecutor:
         # Dropout draws from the global RNG: seeding it per microbatch makes the
         # gradient a function of (seed, step, microbatch) alone, whoever computes it.
         torch.manual_seed(microbatch_seed(job.seed, s.step, microbatch, "dropout"))
+        self.accumulator.before_microbatch()
         _, loss = self.model(inputs, targets)
         assert loss is not None
         count = len(s.original) or len(s.assigned)
+        for phase in HANG_PHASES:
+            if self.faults.armed(s.step, phase, position, count):
+                self.faults.hang(s.step, phase)
+        if delay := self.faults.slow_seconds(s.step):
+            time.sleep(delay)
         if self.faults.armed(s.step, "forward", position, count):
             self.faults.fire(s.step, "forward")
         hook = None
@@ -213,19 +237,18 @@ class StepExecutor:
         loss.backward()
         if hook is not None:
             hook.remove()
+        self.accumulator.after_microbatch(float(loss.detach()))
         s.done.append(microbatch)
         s.sample_ids.extend(ids)
-        s.loss_sum += float(loss.detach())
         s.compute_s += time.perf_counter() - started
 
     def _reduce(self) -> None:
         s, group = self.state, self.group
         assert group is not None
         started = time.perf_counter()
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         # A copy: an interrupted allreduce leaves its buffer partially reduced,
         # and the local accumulation must survive for the next generation.
-        flat = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor([s.loss_sum])])
+        flat = self.accumulator.buffer()
         if self.faults.armed(s.step, "reduce"):
             self.faults.fire_soon(s.step, "reduce")
         try:
@@ -234,12 +257,12 @@ class StepExecutor:
             log.warning("reduction of step %d aborted: %s", s.step, exc, extra=self._ctx())
             self._install_group(None)
             return
-        flat.div_(self.job.global_microbatches)
-        s.reduced = flat
+        s.reduced = self.accumulator.finish(flat)
         self.channel.send(pb.WorkerReport(reduced=pb.Reduced(
             generation=self.generation, step=s.step, microbatch_ids=s.done,
-            sample_ids=s.sample_ids, loss=float(flat[-1]), compute_s=s.compute_s,
-            reduce_s=time.perf_counter() - started)))
+            sample_ids=s.sample_ids, loss=s.reduced.loss, compute_s=s.compute_s,
+            reduce_s=time.perf_counter() - started, overflow=s.reduced.overflow,
+            scale_epoch=s.scale_epoch)))
         if self.faults.armed(s.step, "commit"):
             self.faults.fire(s.step, "commit")
 
@@ -250,15 +273,10 @@ class StepExecutor:
                 f"commit of step {commit.step} in generation {commit.generation} does not match "
                 f"this worker (step {s.step}, generation {self.generation}, "
                 f"reduced={s.reduced is not None})")
-        offset = 0
-        for p in self.params:
-            n = p.numel()
-            if p.grad is None:
-                p.grad = torch.empty_like(p)
-            p.grad.copy_(s.reduced[offset:offset + n].view_as(p))
-            offset += n
+        self.grads.load(s.reduced.grads)
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=False)
+        self.accumulator.observe_committed(s.reduced.grads)
+        self.accumulator.reset()
         self.channel.send(pb.WorkerReport(applied=pb.Applied(
             step=s.step, param_sha256=parameter_digest(self.model))))
         self.state = StepState(step=s.step + 1)

@@ -24,7 +24,12 @@ PHASES: dict[str, str] = {
     "commit": "after reporting the reduction, before the controller's commit arrives",
     "rebuild": "while rebuilding the process group of a new generation (a recovery)",
     "recompute": "while computing a microbatch reassigned from a lost replica",
+    "stop": "hang: SIGSTOP itself while computing a microbatch (for the watchdog)",
+    "spin": "hang: loop forever in Python while computing a microbatch (for the watchdog)",
+    "deadlock": "hang: block forever on a lock while computing a microbatch (for the watchdog)",
+    "slow": "stay alive but sleep `seconds` in every microbatch of the step (must NOT be killed)",
 }
+HANG_PHASES = ("stop", "spin", "deadlock")
 
 
 class FaultSpecError(ValueError):
@@ -42,7 +47,7 @@ def parse_fault_spec(text: str) -> pb.FaultSpec:
         if key in fields:
             raise FaultSpecError(f"malformed --kill {text!r}: {key!r} given twice")
         fields[key] = value
-    unknown = set(fields) - {"step", "replica", "phase", "microbatch"}
+    unknown = set(fields) - {"step", "replica", "phase", "microbatch", "seconds"}
     if unknown:
         raise FaultSpecError(f"malformed --kill {text!r}: unknown key(s) {sorted(unknown)}")
     missing = {"step", "replica", "phase"} - set(fields)
@@ -53,16 +58,22 @@ def parse_fault_spec(text: str) -> pb.FaultSpec:
     try:
         step, replica = int(fields["step"]), int(fields["replica"])
         microbatch = int(fields.get("microbatch", "-1"))
+        seconds = float(fields.get("seconds", "1.0" if fields["phase"] == "slow" else "0"))
     except ValueError:
         raise FaultSpecError(f"malformed --kill {text!r}: step, replica and microbatch "
-                             "must be integers") from None
-    if step < 0 or replica < 0 or microbatch < -1:
+                             "must be integers, seconds a number") from None
+    if step < 0 or replica < 0 or microbatch < -1 or not 0 <= seconds < 3600:
         raise FaultSpecError(f"malformed --kill {text!r}: values must not be negative")
-    return pb.FaultSpec(step=step, replica=replica, phase=fields["phase"], microbatch=microbatch)
+    if "seconds" in fields and fields["phase"] != "slow":
+        raise FaultSpecError(f"malformed --kill {text!r}: seconds= goes with phase=slow only")
+    return pb.FaultSpec(step=step, replica=replica, phase=fields["phase"], microbatch=microbatch,
+                        seconds=seconds)
 
 
 def format_fault_spec(spec: pb.FaultSpec) -> str:
     text = f"step={spec.step},replica={spec.replica},phase={spec.phase}"
+    if spec.phase == "slow":
+        text += f",seconds={spec.seconds!r}"
     return text + (f",microbatch={spec.microbatch}" if spec.microbatch >= 0 else "")
 
 
@@ -91,6 +102,22 @@ class FaultInjector:
         """Kill this process now, the hard way."""
         self._note(pb.FaultNote(step=step, phase=phase, killed_at=time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
+
+    def slow_seconds(self, step: int) -> float:
+        return sum(f.seconds for f in self._faults if f.step == step and f.phase == "slow")
+
+    def hang(self, step: int, phase: str) -> None:
+        """Stop making progress without dying; the agent's watchdog must notice."""
+        self._note(pb.FaultNote(step=step, phase=phase, killed_at=time.time()))
+        if phase == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif phase == "spin":
+            while True:
+                pass
+        elif phase == "deadlock":
+            lock = threading.Lock()
+            lock.acquire()
+            lock.acquire()
 
     def fire_soon(self, step: int, phase: str, delay_s: float = 0.002) -> None:
         """Kill from a timer thread, so the main thread is inside a blocking call when it lands."""

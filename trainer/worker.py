@@ -11,10 +11,12 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
 import torch
 
 from recover.common import logs
+from recover.common.progress import ProgressBeacon
 from recover.proto import pb
 from recover.trainer.channel import AgentChannel, ChannelClosed
 from recover.trainer.data import CorpusConfig, SyntheticCorpus
@@ -71,7 +73,10 @@ def main() -> int:
     try:
         welcome = channel.connect()
         model, optimizer, corpus = build_workload(welcome.job)
-        shutdown = StepExecutor(welcome.job, replica, channel, model, optimizer, corpus).run()
+        progress_file = os.environ.get("RECOVER_PROGRESS_FILE")
+        beacon = ProgressBeacon(Path(progress_file)) if progress_file else None
+        shutdown = StepExecutor(welcome.job, replica, channel, model, optimizer, corpus,
+                                beacon).run()
     except ChannelClosed as exc:
         log.error("stopping: %s", exc, extra={"replica": replica})
         return 3

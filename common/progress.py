@@ -1,0 +1,119 @@
+"""A worker's progress, shared with its agent through a small mapped file.
+
+The worker writes; the agent reads. Nothing crosses a socket, so the
+failure-free path pays a few stores per microbatch. Times are
+`time.monotonic()` (CLOCK_MONOTONIC: one clock for every process of a host).
+
+Two signals tell hangs apart from slowness:
+* a **beat** written every BEAT_PERIOD_S by a side thread: it stops when the
+  process is stopped (SIGSTOP) or a C call holds the GIL;
+* the **compute phase** (start time of the microbatch being computed, and the
+  typical microbatch time): it overruns when the main thread deadlocks or
+  loops, even though the side thread still beats.
+Waiting for peers or for the controller is not computing and is never
+judged here: a peer's hang is that peer's agent's business.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+BEAT_PERIOD_S = 0.1
+_LAYOUT = struct.Struct("<5d")  # beat_at, computing, compute_started_at, typical_s, microbatches
+SIZE = _LAYOUT.size
+
+
+@dataclass(frozen=True)
+class ProgressSnapshot:
+    beat_at: float
+    """Last liveness beat (monotonic seconds); 0 before the worker's first beat."""
+    computing: bool
+    compute_started_at: float
+    typical_microbatch_s: float
+    """Moving average of this worker's microbatch time (0 until one finished)."""
+    microbatches: int
+
+
+def create(path: Path) -> None:
+    path.write_bytes(bytes(SIZE))
+
+
+def read(path: Path) -> ProgressSnapshot | None:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    if len(data) < SIZE:
+        return None
+    beat, computing, started, typical, count = _LAYOUT.unpack_from(data)
+    return ProgressSnapshot(beat, computing > 0.5, started, typical, int(count))
+
+
+@dataclass(frozen=True)
+class HangVerdict:
+    hung: bool
+    reason: str
+
+
+def judge(snapshot: ProgressSnapshot, now: float, timeout_s: float, factor: float) -> HangVerdict:
+    """Is the worker hung? A pure decision with its reason (see the module docstring)."""
+    if snapshot.beat_at <= 0:
+        return HangVerdict(False, "not started yet")
+    silent = now - snapshot.beat_at
+    if silent > timeout_s:
+        return HangVerdict(True, f"no liveness beat for {silent:.1f}s (bound {timeout_s:.1f}s): "
+                                 "the process is stopped or a call holds the GIL")
+    if snapshot.computing:
+        bound = max(timeout_s, factor * snapshot.typical_microbatch_s)
+        running = now - snapshot.compute_started_at
+        if running > bound:
+            return HangVerdict(True, f"one microbatch has run for {running:.1f}s (bound {bound:.1f}s "
+                                     f"= max({timeout_s:.1f}s, {factor:g} x typical "
+                                     f"{snapshot.typical_microbatch_s * 1000:.0f}ms))")
+        return HangVerdict(False, f"computing for {running:.2f}s of {bound:.1f}s")
+    return HangVerdict(False, "alive, not computing")
+
+
+class ProgressBeacon:
+    """The worker's writer: a beat thread plus compute-phase markers."""
+
+    EMA_WEIGHT = 0.2
+
+    def __init__(self, path: Path) -> None:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._map = mmap.mmap(fd, SIZE)
+        finally:
+            os.close(fd)
+        self._typical = 0.0
+        self._count = 0
+        self._started = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="progress-beat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.is_set():
+            struct.pack_into("<d", self._map, 0, time.monotonic())
+            self._stop.wait(BEAT_PERIOD_S)
+
+    def compute_started(self) -> None:
+        self._started = time.monotonic()
+        struct.pack_into("<dd", self._map, 8, 1.0, self._started)
+
+    def compute_finished(self) -> None:
+        took = time.monotonic() - self._started
+        self._typical = took if self._count == 0 else (
+            (1 - self.EMA_WEIGHT) * self._typical + self.EMA_WEIGHT * took)
+        self._count += 1
+        struct.pack_into("<ddd", self._map, 16, self._started, self._typical, float(self._count))
+        struct.pack_into("<d", self._map, 8, 0.0)
+
+    def close(self) -> None:
+        self._stop.set()

@@ -1,0 +1,186 @@
+"""Gradient accumulation and the buffer a step reduces: fast (float) or exact (int64).
+
+Both keep every parameter's `.grad` as a view into one flat float32 buffer,
+so backward writes straight into it and a reduction needs one copy, not a
+concatenation.
+
+Exact reduction (DESIGN.md "Determinism"): each microbatch's float32
+gradient is turned into int64 fixed point with a power-of-two scale per
+tensor — the same on every replica — and summed in int64, where addition is
+associative. The reduced sum therefore does not depend on which replica
+computed which microbatch, on the number of replicas, nor on the reduction
+order; dividing by M afterwards gives bitwise-identical gradients.
+
+How the scale is agreed, without an extra collective: it is *predicted*
+from the previous committed step's reduced gradient (bitwise equal on every
+replica by induction), with headroom. Each microbatch whose scaled gradient
+would not fit is counted in an overflow slot of the same int64 buffer; a
+nonzero global count makes the controller redo the step at a lower scale
+(`scale_epoch`). Measured cost and rate: see benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+INT64_BUDGET_BITS = 62
+"""The reduced sum must stay below 2**62 in magnitude (one bit spare below int64's limit)."""
+HEADROOM_BITS = 10
+"""A microbatch's gradient may grow to 2**10 x (M x the previous step's mean) before it overflows."""
+EPOCH_STEP_BITS = 16
+"""Each redo lowers every tensor's scale by 2**16."""
+LOSS_SCALE_BITS = 40
+"""Fixed-point scale of the per-microbatch loss (losses are O(1..10))."""
+EXPONENT_RANGE = (-60, 120)
+
+
+@dataclass
+class Reduced:
+    """A reduction's result, divided and ready to apply."""
+
+    grads: torch.Tensor
+    """Flat float32 mean gradient over the reduced microbatches."""
+    loss: float
+    """Mean loss over the reduced microbatches."""
+    microbatches: int
+    overflow: int
+    """Microbatches whose gradient did not fit the exact scale (exact mode; then redo)."""
+
+
+class FlatGradients:
+    """Points every parameter's `.grad` into one flat float32 buffer."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+        self.sizes = [p.numel() for p in params]
+        self.flat = torch.zeros(sum(self.sizes), dtype=torch.float32)
+        offset = 0
+        for p, n in zip(params, self.sizes, strict=True):
+            # Autograd accumulates in place into an existing .grad, so the views stay live.
+            p.grad = self.flat[offset:offset + n].view_as(p)
+            offset += n
+
+    def zero(self) -> None:
+        self.flat.zero_()
+
+    def load(self, flat: torch.Tensor) -> None:
+        self.flat.copy_(flat)
+
+
+class FastAccumulator:
+    """Float32 accumulation: backward sums microbatch gradients into `.grad` directly."""
+
+    def __init__(self, grads: FlatGradients) -> None:
+        self.grads = grads
+        self.loss_sum = 0.0
+        self.count = 0
+
+    def reset(self, scale_epoch: int = 0) -> None:
+        self.grads.zero()
+        self.loss_sum = 0.0
+        self.count = 0
+
+    def before_microbatch(self) -> None:
+        pass
+
+    def after_microbatch(self, loss: float) -> None:
+        self.loss_sum += loss
+        self.count += 1
+
+    def buffer(self) -> torch.Tensor:
+        """A copy to reduce: an interrupted allreduce leaves its buffer partially reduced."""
+        tail = torch.tensor([self.loss_sum, float(self.count)], dtype=torch.float32)
+        return torch.cat([self.grads.flat, tail])
+
+    def finish(self, reduced: torch.Tensor) -> Reduced:
+        count = int(round(float(reduced[-1])))
+        divisor = max(count, 1)
+        return Reduced(reduced[:-2].div_(divisor), float(reduced[-2]) / divisor, count, 0)
+
+    def observe_committed(self, mean_grads: torch.Tensor) -> None:
+        pass
+
+
+class ExactAccumulator:
+    """Int64 fixed-point accumulation with a per-tensor power-of-two scale."""
+
+    def __init__(self, grads: FlatGradients, global_microbatches: int) -> None:
+        self.grads = grads
+        self.global_microbatches = global_microbatches
+        self._limit = 2.0 ** INT64_BUDGET_BITS / global_microbatches
+        # The first step has no previous gradient: assume a mean of 1.0 per tensor.
+        self._base_exponents = [self._exponent(1.0)] * len(grads.sizes)
+        self.scale_epoch = 0
+        self._scale = self._scale_vector()
+        self.acc = torch.zeros(grads.flat.numel(), dtype=torch.int64)
+        self.loss_acc = 0
+        self.count = 0
+        self.overflow = 0
+
+    def _exponent(self, mean_abs_max: float) -> int:
+        bound = max(mean_abs_max, 1e-30) * self.global_microbatches * 2.0 ** HEADROOM_BITS
+        exponent = math.floor(math.log2(self._limit / bound))
+        return min(max(exponent, EXPONENT_RANGE[0]), EXPONENT_RANGE[1])
+
+    def _scale_vector(self) -> torch.Tensor:
+        parts = [torch.full((n,), 2.0 ** (e - EPOCH_STEP_BITS * self.scale_epoch), dtype=torch.float64)
+                 for n, e in zip(self.grads.sizes, self._base_exponents, strict=True)]
+        return torch.cat(parts)
+
+    def reset(self, scale_epoch: int = 0) -> None:
+        if scale_epoch != self.scale_epoch:
+            self.scale_epoch = scale_epoch
+            self._scale = self._scale_vector()
+        self.acc.zero_()
+        self.grads.zero()
+        self.loss_acc = 0
+        self.count = 0
+        self.overflow = 0
+
+    def before_microbatch(self) -> None:
+        self.grads.zero()  # each microbatch's gradient is quantized on its own
+
+    def after_microbatch(self, loss: float) -> None:
+        # Powers of two make the multiply exact; rounding is then deterministic.
+        scaled = self.grads.flat.double().mul_(self._scale)
+        if float(scaled.abs().max()) >= self._limit:
+            self.overflow += 1
+        else:
+            self.acc.add_(scaled.round_().to(torch.int64))
+        self.loss_acc += round(loss * 2.0 ** LOSS_SCALE_BITS)
+        self.count += 1
+
+    def buffer(self) -> torch.Tensor:
+        tail = torch.tensor([self.loss_acc, self.count, self.overflow], dtype=torch.int64)
+        return torch.cat([self.acc, tail])
+
+    def finish(self, reduced: torch.Tensor) -> Reduced:
+        loss_acc, count, overflow = (int(v) for v in reduced[-3:])
+        divisor = max(count, 1)
+        mean = reduced[:-3].double().div_(self._scale).div_(divisor).float()
+        return Reduced(mean, loss_acc / 2.0 ** LOSS_SCALE_BITS / divisor, count, overflow)
+
+    def observe_committed(self, mean_grads: torch.Tensor) -> None:
+        """Predict the next step's scales from this step's (replica-independent) mean gradient."""
+        exponents = []
+        offset = 0
+        for n in self.grads.sizes:
+            exponents.append(self._exponent(float(mean_grads[offset:offset + n].abs().max())))
+            offset += n
+        self._base_exponents = exponents
+        self.scale_epoch = 0
+        self._scale = self._scale_vector()
+
+
+Accumulator = FastAccumulator | ExactAccumulator
+
+
+def make_accumulator(mode: str, grads: FlatGradients, global_microbatches: int) -> Accumulator:
+    if mode == "exact":
+        return ExactAccumulator(grads, global_microbatches)
+    if mode in ("fast", ""):
+        return FastAccumulator(grads)
+    raise ValueError(f"unknown reduce mode {mode!r} (fast, exact)")
