@@ -32,6 +32,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -104,6 +105,19 @@ def machine() -> dict[str, Any]:
             "torch": torch_version, "platform": platform.platform()}
 
 
+def git_revision() -> str | None:
+    """HEAD of the checkout this benchmark measures, with "+dirty" if it has local changes."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (head + ("+dirty" if dirty else "")) or None
+
+
 def run_one(index: int, out: Path, timeout_s: float) -> dict[str, Any]:
     kills = schedule(index)
     run_dir = out / f"run-{index:02d}"
@@ -113,11 +127,20 @@ def run_one(index: int, out: Path, timeout_s: float) -> dict[str, Any]:
     for kill in kills:
         argv += ["--kill", spec(kill)]
     started = time.monotonic()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+        output, _ = proc.communicate(timeout=timeout_s)
         rc: int | None = proc.returncode
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
+        tail = output.strip().splitlines()[-3:]
     except subprocess.TimeoutExpired:
+        # SIGINT, not SIGKILL: `recover run` then stops its controller, agents and
+        # workers (they run in sessions of their own and would outlive it).
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
         rc, tail = None, [f"timed out after {timeout_s:.0f}s"]
     elapsed = time.monotonic() - started
     summary_path = run_dir / "summary.json"
@@ -130,7 +153,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="directory for run-NN/ and results.json")
     parser.add_argument("--runs", type=int, default=10, help="runs of 3 kills each (default 10)")
-    parser.add_argument("--timeout", type=float, default=120.0, help="per-run limit, seconds")
+    parser.add_argument("--timeout", type=float, default=90.0,
+                        help="per-run limit in seconds (a run normally takes ~10 s; default 90)")
     args = parser.parse_args()
     if args.runs < 1:
         parser.error("--runs must be >= 1")
@@ -173,6 +197,7 @@ def main() -> int:
         "benchmark": "recovery",
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": machine(),
+        "git": git_revision(),
         "config": {"replicas": REPLICAS, "steps": STEPS, "global_microbatches": 16,
                    "microbatch_size": 8, "model": "default", "agents": 2, "runs": args.runs},
         "bench_wall_s": round(time.monotonic() - bench_start, 1),
@@ -191,7 +216,7 @@ def main() -> int:
 
     m = result["machine"]
     print(f"recovery benchmark, {result['date']}: {m['nproc']} cpus ({m['cpu_model']}), "
-          f"python {m['python']}, torch {m['torch']}")
+          f"python {m['python']}, torch {m['torch']}, git {result['git']}")
     print(f"{len(failures)} failures over {args.runs} runs ({result['bench_wall_s']}s)")
     header = f"{'phase':<10} {'n':>3}  {'detect p50':>10} {'p99':>7} {'max':>7} {'mean':>7}   " \
              f"{'recover p50':>11} {'p99':>7} {'max':>7} {'mean':>7}"

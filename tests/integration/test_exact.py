@@ -1,0 +1,95 @@
+"""Bitwise-identical trajectory under failures (--reduce exact), hangs, and the drop ablation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from recover.cli.verify import compare
+from tests.integration.conftest import run_recover
+
+pytestmark = pytest.mark.slow
+
+EXACT_ARGS = ["--steps", "6", "-M", "12", "-B", "4", "--seed", "7", "--quiet", "--reduce", "exact"]
+
+
+def exact_run(tmp_path: Path, replicas: int, *kills: str, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    args = [*EXACT_ARGS, "--replicas", str(replicas), *extra]
+    for kill in kills:
+        args += ["--kill", kill]
+    result = run_recover(tmp_path, *args)
+    assert result.returncode == 0, result.stderr
+    return result.summary
+
+
+@pytest.fixture(scope="module")
+def exact_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    summary = exact_run(tmp_path_factory.mktemp("exact-reference"), 4)
+    assert summary["failures"] == []
+    return summary
+
+
+def assert_bitwise_identical(summary: dict[str, Any], reference: dict[str, Any]) -> None:
+    verdict = compare(reference, summary)
+    assert verdict.identical, verdict.message
+    assert summary["param_sha256"] == reference["param_sha256"]
+    # Every live replica agreed after every step (no split-brain apply).
+    for by_replica in summary["param_sha256_by_replica_per_step"]:
+        assert len(set(by_replica.values())) == 1
+
+
+@pytest.mark.parametrize("kills", [
+    pytest.param(["step=1,replica=2,phase=forward"], id="forward"),
+    pytest.param(["step=2,replica=1,phase=backward"], id="backward"),
+    pytest.param(["step=2,replica=3,phase=reduce"], id="reduce"),
+    pytest.param(["step=3,replica=0,phase=commit"], id="commit"),
+    pytest.param(["step=2,replica=1,phase=backward", "step=2,replica=2,phase=rebuild"],
+                 id="during-recovery"),
+    pytest.param(["step=3,replica=1,phase=forward", "step=3,replica=3,phase=backward"],
+                 id="two-at-once"),
+])
+def test_exact_under_crashes(kills: list[str], tmp_path: Path,
+                             exact_reference: dict[str, Any]) -> None:
+    summary = exact_run(tmp_path, 4, *kills)
+    assert len(summary["failures"]) == len(kills)
+    assert_bitwise_identical(summary, exact_reference)
+
+
+def test_exact_under_every_kind_of_hang(tmp_path: Path, exact_reference: dict[str, Any]) -> None:
+    """SIGSTOP, a Python busy loop and a deadlock: the watchdog kills each, training goes on."""
+    summary = exact_run(tmp_path, 4, "step=1,replica=1,phase=stop", "step=2,replica=2,phase=spin",
+                        "step=3,replica=3,phase=deadlock")
+    failures = {f["replica"]: f for f in summary["failures"]}
+    assert {r: f["phase"] for r, f in failures.items()} == {1: "stop", 2: "spin", 3: "deadlock"}
+    assert all(f["cause"] == "watchdog" for f in failures.values())
+    # Detected after the configured bound (2 s default), not at the group timeout (30 s).
+    assert all(1.5 < f["detected_s"] < 15 for f in failures.values()), failures
+    assert_bitwise_identical(summary, exact_reference)
+
+
+def test_slow_but_alive_worker_is_not_killed(tmp_path: Path,
+                                             exact_reference: dict[str, Any]) -> None:
+    summary = exact_run(tmp_path, 4, "step=2,replica=1,phase=slow,seconds=1.2")
+    assert summary["failures"] == []
+    assert summary["live_replicas"] == [0, 1, 2, 3]
+    assert_bitwise_identical(summary, exact_reference)
+
+
+@pytest.mark.parametrize("replicas", [3, 2])
+def test_exact_with_other_replica_counts(replicas: int, tmp_path: Path,
+                                         exact_reference: dict[str, Any]) -> None:
+    assert_bitwise_identical(exact_run(tmp_path, replicas), exact_reference)
+
+
+def test_drop_policy_drifts(tmp_path: Path, exact_reference: dict[str, Any]) -> None:
+    """The ablation: dropping a lost replica's microbatches changes what the model learns."""
+    summary = exact_run(tmp_path, 4, "step=2,replica=1,phase=backward", extra=("--policy", "drop"))
+    assert summary["policy"] == "drop"
+    assert summary["microbatches_per_step"][2] == 9  # 12 planned, replica 1's 3 dropped
+    assert summary["microbatches_per_step"][:2] == [12, 12]
+    verdict = compare(exact_reference, summary)
+    assert not verdict.identical
+    assert verdict.first_difference == 2
+    assert summary["param_sha256"] != exact_reference["param_sha256"]
