@@ -53,36 +53,55 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from recovery import git_revision, machine  # noqa: E402
+from recovery import foreign_load, git_revision, machine  # noqa: E402
 
-# (category, regex over one frame "function (file:line)"); first match wins, innermost frame first.
+# Worker: a sample goes to the category of its OUTERMOST frame that matches one of
+# these patterns (so time inside torch under the model's forward is "forward", time
+# inside torch.optim under the commit is "optimizer step", and so on). Samples that
+# match none fall back to the innermost StepExecutor method they are in.
 WORKER_CATEGORIES: list[tuple[str, str]] = [
-    ("data: corpus.batch + sample ids", r"^(batch|sequences|_walk|_uniforms|microbatch_sample_ids) \(.*data\.py"),
-    ("parameter_digest", r"^parameter_digest \("),
-    ("optimizer step (AdamW)", r"^step \(.*torch/optim/"),
-    ("allreduce (gloo, incl. waiting for peers)", r"^allreduce_sum_ \(.*collectives\.py"),
-    ("group connect (rebuild)", r"^connect \(.*collectives\.py"),
-    ("backward", r"^backward \(.*torch/(_tensor|autograd)"),
-    ("forward", r"^(forward|_call_impl|_wrapped_call_impl) \(.*(model\.py|torch/nn/)"),
-    ("grpc/protobuf: sending reports", r"^(send|note_fault) \(.*channel\.py|SerializeToString|_pb2"),
-    ("waiting for the controller (commit / next plan)", r"^(next_command|poll) \(.*channel\.py"),
-    ("reduce: flat buffer copy / finish", r"^(_reduce) \(.*executor\.py"),
-    ("apply commit: load grads, accumulator reset", r"^_apply_commit \(.*executor\.py"),
-    ("compute: other (seeding, loss.item, accumulate)", r"^_compute(_microbatch)? \(.*executor\.py"),
+    ("data: corpus.batch + sample ids", r"SyntheticCorpus\.|microbatch_sample_ids"),
+    ("dropout seeding (torch.manual_seed)", r"manual_seed"),
+    ("forward", r"TinyGPT\.forward|Module\._wrapped_call_impl"),
+    ("backward", r"Tensor\.backward"),
+    ("allreduce (gloo, incl. waiting for the slowest peer)", r"GenerationGroup\.allreduce_sum_"),
+    ("group connect / abort (rebuild)", r"GenerationGroup\.(connect|abort|close)"),
+    ("parameter_digest", r"parameter_digest"),
+    ("optimizer step (AdamW)", r"Optimizer\.|torch/optim/"),
+    ("grpc/protobuf: sending reports", r"AgentChannel\.(send|note_fault)|SerializeToString"),
+    ("waiting for the controller (commit / next plan)", r"AgentChannel\.(next_command|poll)"),
+    ("gradient buffer (accumulate / copy / load)", r"Accumulator\.|FlatGradients\."),
+    ("progress beacon", r"ProgressBeacon\."),
 ]
+WORKER_FALLBACKS: list[tuple[str, str]] = [
+    ("reduce: other (building the report)", r"StepExecutor\._reduce "),
+    ("commit: other (building the report)", r"StepExecutor\._apply_commit "),
+    ("compute: other (loss.item, bookkeeping)", r"StepExecutor\._compute"),
+    ("generation handling", r"StepExecutor\._(enter_generation|adopt_plan|install_group)"),
+]
+# Controller: the INNERMOST matching frame decides (so a store write inside a commit
+# counts as "store put").
 CONTROLLER_CATEGORIES: list[tuple[str, str]] = [
-    ("store put (durable step / generation record)", r"^put \(.*store\.py"),
-    ("events log", r"^(emit|flush) \(.*events\.py"),
-    ("commit: plan check, sample digest, record", r"^_commit \(.*coordinator\.py"),
-    ("coordinator: other report handling", r"^\w+ \(.*coordinator\.py"),
-    ("grpc/protobuf (de)serialization", r"SerializeToString|FromString|ParseFromString|_pb2|cygrpc|grpc/"),
-    ("service dispatch", r"\(.*controller/service\.py"),
-    ("idle in the event loop (epoll)", r"^(select|_run_once|run_forever) \("),
+    ("idle: event loop waiting in epoll", r"EpollSelector\.select|selectors\.py"),
+    ("store put (durable records)", r"Store\.|controller/store\.py"),
+    ("events log", r"EventLog\.|controller/events\.py"),
+    ("commit: sample digest / plan check", r"sample_digest|check_plan|uniform_plan|policy\.py"),
+    ("commit: record + broadcast", r"Coordinator\._commit|Coordinator\._broadcast"),
+    ("coordinator: other report handling (reduced, applied, heartbeat)", r"Coordinator\."),
+    ("grpc/protobuf (python side)", r"SerializeToString|FromString|_pb2|grpc/"),
+    ("status / events RPCs (the launcher polling)", r"ControlService\.|job_status"),
+    ("grpc aio: reading agent streams (cython, incl. protobuf parsing)",
+     r"AgentSessions\.Session\.<locals>\.read \(controller/service\.py:4[45]\)"),
+    ("service dispatch / session queues", r"AgentSessions\.|controller/service\.py"),
+    ("liveness watch", r"watch_liveness"),
+]
+CONTROLLER_FALLBACKS: list[tuple[str, str]] = [
+    ("asyncio / grpc-aio callbacks (C or cython, no Python frame)", r"Handle\._run|_run_once"),
 ]
 
 
 def parse_raw(path: Path) -> list[tuple[list[str], int]]:
-    """py-spy's collapsed stacks: 'outer;...;inner count' per line."""
+    """py-spy's collapsed stacks: 'thread (TID): NAME;outer;...;inner count' per line."""
     stacks = []
     for line in path.read_text().splitlines():
         frames_text, _, count = line.rpartition(" ")
@@ -91,46 +110,33 @@ def parse_raw(path: Path) -> list[tuple[list[str], int]]:
     return stacks
 
 
-def is_main_thread(frames: list[str], role: str) -> bool:
-    text = ";".join(frames)
-    if role == "worker":
-        return "main (recover/trainer/worker.py" in text or "trainer/worker.py" in frames[1] \
-            if len(frames) > 1 else False
-    return "run_until_complete" in text or "asyncio/runners.py" in text or "(recover/cli/main.py" in text
-
-
-def categorize(stacks: list[tuple[list[str], int]], role: str,
-               categories: list[tuple[str, str]]) -> dict[str, Any]:
+def categorize(stacks: list[tuple[list[str], int]], categories: list[tuple[str, str]],
+               fallbacks: list[tuple[str, str]], innermost_first: bool) -> dict[str, Any]:
+    """Fractions of the main thread's samples per category (see the comments above)."""
     compiled = [(name, re.compile(rx)) for name, rx in categories]
+    compiled_fb = [(name, re.compile(rx)) for name, rx in fallbacks]
     counts: collections.Counter[str] = collections.Counter()
     threads: collections.Counter[str] = collections.Counter()
-    top_frames: collections.Counter[str] = collections.Counter()
-    total_all = 0
+    leaves: collections.Counter[str] = collections.Counter()
     for frames, n in stacks:
-        total_all += n
         threads[frames[0]] += n
-        if not is_main_thread(frames, role):
+        if not frames[0].endswith(": MainThread"):
             continue
-        # strip the thread / process header frames py-spy adds ("thread (0x..)", "process N:...")
-        body = [f for f in frames if not f.startswith(("thread (", "process "))]
-        top_frames[body[-1] if body else "?"] += n
-        for frame in reversed(body):
-            frame_plain = re.sub(r"^(\S+) \((?:.*/site-packages/|.*/work/main/)?", r"\1 (", frame)
-            hit = next((name for name, rx in compiled if rx.search(frame_plain) or rx.search(frame)),
-                       None)
-            if hit:
-                counts[hit] += n
-                break
-        else:
-            counts["other"] += n
-    main_total = sum(counts.values())
+        body = frames[1:]
+        leaves[body[-1] if body else "?"] += n
+        order = list(reversed(body)) if innermost_first else body
+        hit = next((name for frame in order for name, rx in compiled if rx.search(frame)), None)
+        if hit is None:
+            hit = next((name for frame in reversed(body) for name, rx in compiled_fb
+                        if rx.search(frame)), "other")
+        counts[hit] += n
+    total = sum(counts.values())
     return {
-        "samples_all_threads": total_all,
-        "samples_main_thread": main_total,
-        "threads": dict(threads.most_common()),
-        "fractions": {k: round(v / main_total, 4) for k, v in counts.most_common()} if main_total else {},
-        "top_leaf_frames": [(k, round(v / main_total, 4)) for k, v in top_frames.most_common(15)]
-        if main_total else [],
+        "samples_main_thread": total,
+        "samples_per_thread": dict(threads.most_common()),
+        "fractions": {k: round(v / total, 4) for k, v in counts.most_common()} if total else {},
+        "top_leaf_frames": [[k, round(v / total, 4)] for k, v in leaves.most_common(15)]
+        if total else [],
     }
 
 
@@ -202,6 +208,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
+    noise_start = foreign_load()
     # 1. plain job: the step time nothing perturbs
     print(f"[1/2] plain job, {args.steps} steps", file=sys.stderr, flush=True)
     rc, output = finish(run_job(out / "plain", args.steps), 170)
@@ -251,10 +258,11 @@ def main() -> int:
     print(f"      rc={rc2} {profiled}", file=sys.stderr, flush=True)
 
     profiles = {}
-    for role, cats in (("worker", WORKER_CATEGORIES), ("controller", CONTROLLER_CATEGORIES)):
+    for role, cats, fbs, inner in (("worker", WORKER_CATEGORIES, WORKER_FALLBACKS, False),
+                                   ("controller", CONTROLLER_CATEGORIES, CONTROLLER_FALLBACKS, True)):
         raw = out / f"{role}.raw"
         if raw.exists():
-            profiles[role] = categorize(parse_raw(raw), role, cats)
+            profiles[role] = categorize(parse_raw(raw), cats, fbs, inner)
     result = {
         "benchmark": "step_time",
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -264,6 +272,7 @@ def main() -> int:
                    "model": "default", "plain_steps": args.steps, "profile_steps": args.profile_steps,
                    "pyspy": f"rate {args.rate}/s, {args.duration}s, --idle --threads",
                    "profiled_replica": args.replica},
+        "noise": {"start": noise_start, "end": foreign_load()},
         "plain": plain,
         "profiled": profiled,
         "profiles": profiles,
@@ -279,10 +288,17 @@ def main() -> int:
             print(f"{name:<9} median {t['median_s'] * 1000:6.1f} ms = compute {t['compute_s'] * 1000:6.1f}"
                   f" + reduce {t['reduce_s'] * 1000:5.1f} + control {t['control_s'] * 1000:5.1f} ms"
                   f"  ({st['steps_committed']} steps, train {st['train_s']}s)")
+    per_step = profiled["train_s_per_step"] if profiled else None
     for role, prof in profiles.items():
-        print(f"{role} main thread ({prof['samples_main_thread']} samples):")
+        # ms per step: the fraction times the profiled job's mean wall time per step
+        prof["ms_per_step"] = {k: round(v * per_step * 1000, 2) for k, v in prof["fractions"].items()} \
+            if per_step else {}
+        print(f"{role} main thread ({prof['samples_main_thread']} samples"
+              + (f"; ms/step at {per_step * 1000:.1f} ms per step" if per_step else "") + "):")
         for k, v in prof["fractions"].items():
-            print(f"  {v * 100:5.1f}%  {k}")
+            ms = f"{prof['ms_per_step'][k]:6.1f} ms" if per_step else ""
+            print(f"  {v * 100:5.1f}%  {ms}  {k}")
+    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"results: {out / 'results.json'}")
     return 0 if rc == 0 and rc2 == 0 else 1
 

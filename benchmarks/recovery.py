@@ -118,8 +118,24 @@ def git_revision() -> str | None:
     return (head + ("+dirty" if dirty else "")) or None
 
 
+def foreign_load() -> dict[str, Any]:
+    """Load average and other ReCoVer jobs / test runs on this machine right now (noise check)."""
+    others = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "recover.cli.main controller" in cmd or "recover.trainer.worker" in cmd or "pytest" in cmd:
+            others += 1
+    return {"loadavg_1m": round(os.getloadavg()[0], 2), "other_recover_or_pytest_processes": others}
+
+
 def run_one(index: int, out: Path, timeout_s: float) -> dict[str, Any]:
     kills = schedule(index)
+    noise = foreign_load()  # before our job starts: every process it counts is someone else's
     run_dir = out / f"run-{index:02d}"
     argv = [sys.executable, "-m", "recover.cli.main", "run", "--replicas", str(REPLICAS),
             "--steps", str(STEPS), "-M", "16", "-B", "8", "--seed", str(index),
@@ -146,7 +162,7 @@ def run_one(index: int, out: Path, timeout_s: float) -> dict[str, Any]:
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
     return {"run": index, "kills": [spec(k) for k in kills], "rc": rc, "elapsed_s": round(elapsed, 2),
-            "tail": tail, "summary": summary}
+            "tail": tail, "summary": summary, "noise_before": noise}
 
 
 def main() -> int:
@@ -171,9 +187,13 @@ def main() -> int:
         expected = len(result["kills"])
         got = len(s["failures"]) if s else 0
         state = s["state"] if s else "no-summary"
+        noise = result["noise_before"]
         line = (f"[run {index + 1}/{args.runs}] {state} rc={result['rc']} "
                 f"{s['steps_committed'] if s else '?'}/{STEPS} steps, {got}/{expected} failures, "
-                f"{result['elapsed_s']:.1f}s  kills: {'; '.join(result['kills'])}")
+                f"{result['elapsed_s']:.1f}s  load {noise['loadavg_1m']}"
+                + (f" ({noise['other_recover_or_pytest_processes']} foreign recover/pytest procs)"
+                   if noise["other_recover_or_pytest_processes"] else "")
+                + f"  kills: {'; '.join(result['kills'])}")
         print(line, file=sys.stderr, flush=True)
         if state != "succeeded" or result["rc"] != 0:
             anomalies.append(f"run {index}: state {state}, rc {result['rc']}: {' | '.join(result['tail'])}")
