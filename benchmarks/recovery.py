@@ -133,7 +133,41 @@ def foreign_load() -> dict[str, Any]:
     return {"loadavg_1m": round(os.getloadavg()[0], 2), "other_recover_or_pytest_processes": others}
 
 
-def run_one(index: int, out: Path, timeout_s: float) -> dict[str, Any]:
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue
+    return found
+
+
+def stop_job(proc: subprocess.Popen[str]) -> None:
+    """Stop a `recover run` and everything it started.
+
+    SIGINT first: the launcher then stops its controller and agents (each in a
+    session of its own, so they would outlive a killed launcher). If it is still
+    there after 20 s, SIGKILL the process groups of its children (an agent's
+    group holds its workers), then the launcher.
+    """
+    kids = _children(proc.pid)
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        for kid in kids:
+            try:
+                os.killpg(kid, signal.SIGKILL)
+            except OSError:
+                pass
+        proc.kill()
+        proc.communicate()
+
+
+def run_one(index: int, out: Path, timeout_s: float, group_timeout: float | None = None) -> dict[str, Any]:
     kills = schedule(index)
     noise = foreign_load()  # before our job starts: every process it counts is someone else's
     run_dir = out / f"run-{index:02d}"
@@ -142,6 +176,8 @@ def run_one(index: int, out: Path, timeout_s: float) -> dict[str, Any]:
             "--out", str(run_dir), "--quiet"]
     for kill in kills:
         argv += ["--kill", spec(kill)]
+    if group_timeout is not None:
+        argv += ["--group-timeout", str(group_timeout)]
     started = time.monotonic()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -149,14 +185,7 @@ def run_one(index: int, out: Path, timeout_s: float) -> dict[str, Any]:
         rc: int | None = proc.returncode
         tail = output.strip().splitlines()[-3:]
     except subprocess.TimeoutExpired:
-        # SIGINT, not SIGKILL: `recover run` then stops its controller, agents and
-        # workers (they run in sessions of their own and would outlive it).
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
+        stop_job(proc)
         rc, tail = None, [f"timed out after {timeout_s:.0f}s"]
     elapsed = time.monotonic() - started
     summary_path = run_dir / "summary.json"
@@ -170,19 +199,26 @@ def main() -> int:
     parser.add_argument("--out", required=True, help="directory for run-NN/ and results.json")
     parser.add_argument("--runs", type=int, default=10, help="runs of 3 kills each (default 10)")
     parser.add_argument("--timeout", type=float, default=90.0,
-                        help="per-run limit in seconds (a run normally takes ~10 s; default 90)")
+                        help="per-run limit in seconds (a run normally takes ~10 s; default 90). "
+                             "A run that hits it counts its kills as failures with unknown latency")
+    parser.add_argument("--group-timeout", type=float, default=None,
+                        help="pass --group-timeout to `recover run` (default: recover's own, 30 s)")
     args = parser.parse_args()
     if args.runs < 1:
         parser.error("--runs must be >= 1")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    # Started in the background by a non-interactive shell, this process (and so
+    # every child) would ignore SIGINT, and stop_job() relies on it: a Python
+    # handler here is reset to the default in the children when they exec.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     failures: list[dict[str, Any]] = []
     runs: list[dict[str, Any]] = []
     anomalies: list[str] = []
     bench_start = time.monotonic()
     for index in range(args.runs):
-        result = run_one(index, out, args.timeout)
+        result = run_one(index, out, args.timeout, args.group_timeout)
         s = result["summary"]
         expected = len(result["kills"])
         got = len(s["failures"]) if s else 0
@@ -210,16 +246,30 @@ def main() -> int:
                     anomalies.append(f"run {index}: failure {f} has a null latency")
                 if f["cause"] != "injected":
                     anomalies.append(f"run {index}: failure with cause {f['cause']}: {f}")
+        else:
+            # No summary (the run hung past --timeout): its kills count as failures
+            # whose latencies are unknown, so they show up as "missing", not vanish.
+            for kill in schedule(index):
+                failures.append({"run": index, **kill, "cause": "injected", "detected_s": None,
+                                 "recovered_s": None, "note": "run produced no summary"})
         runs.append(entry)
 
     phases = sorted({f["phase"] for f in failures}, key=lambda p: (PRIMARY + SECONDARY + [p]).index(p))
+    known = [f["recovered_s"] for f in failures if f["recovered_s"] is not None]
+    p50 = percentile(known, 50) if known else 0.0
+    outliers = [f for f in failures if f["recovered_s"] is not None and f["recovered_s"] > 3 * p50]
+    for f in outliers:
+        anomalies.append(f"run {f['run']}: outlier recovered_s {f['recovered_s']} (> 3 x p50) "
+                         f"phase {f['phase']} step {f['step']} replica {f['replica']}")
     result = {
         "benchmark": "recovery",
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": machine(),
         "git": git_revision(),
         "config": {"replicas": REPLICAS, "steps": STEPS, "global_microbatches": 16,
-                   "microbatch_size": 8, "model": "default", "agents": 2, "runs": args.runs},
+                   "microbatch_size": 8, "model": "default", "agents": 2, "runs": args.runs,
+                   "group_timeout_s": args.group_timeout or "recover default (30)",
+                   "timeout_s": args.timeout},
         "bench_wall_s": round(time.monotonic() - bench_start, 1),
         "n_failures": len(failures),
         "detect": {"overall": stats([f["detected_s"] for f in failures]),
@@ -238,7 +288,7 @@ def main() -> int:
     print(f"recovery benchmark, {result['date']}: {m['nproc']} cpus ({m['cpu_model']}), "
           f"python {m['python']}, torch {m['torch']}, git {result['git']}")
     print(f"{len(failures)} failures over {args.runs} runs ({result['bench_wall_s']}s)")
-    header = f"{'phase':<10} {'n':>3}  {'detect p50':>10} {'p99':>7} {'max':>7} {'mean':>7}   " \
+    header = f"{'phase':<10} {'n':>3} {'miss':>4}  {'detect p50':>10} {'p99':>7} {'max':>7} {'mean':>7}   " \
              f"{'recover p50':>11} {'p99':>7} {'max':>7} {'mean':>7}"
     print(header)
 
@@ -247,7 +297,7 @@ def main() -> int:
             if not x["n"]:
                 return f"{'-':>{w}} {'-':>7} {'-':>7} {'-':>7}"
             return f"{x['p50_s']:>{w}.3f} {x['p99_s']:>7.3f} {x['max_s']:>7.3f} {x['mean_s']:>7.3f}"
-        return f"{name:<10} {d['n'] + d['missing']:>3}  {cells(d, 10)}   {cells(r, 11)}"
+        return f"{name:<10} {d['n'] + d['missing']:>3} {r['missing']:>4}  {cells(d, 10)}   {cells(r, 11)}"
 
     print(row("overall", result["detect"]["overall"], result["recover"]["overall"]))
     for p in phases:

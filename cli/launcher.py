@@ -21,6 +21,7 @@ import grpc
 from recover.cli import inspect
 from recover.cli.jobargs import UsageError, job_from_args, job_to_args
 from recover.cli.summary import build_summary, format_summary
+from recover.controller.store import StoreError, open_store
 from recover.proto import pb
 
 TERMINAL = ("succeeded", "failed")
@@ -131,6 +132,10 @@ class Progress:
 
 def run_local(args: argparse.Namespace) -> int:
     job_config = job_from_args(args)
+    try:
+        open_store(args.store)
+    except StoreError as exc:
+        raise UsageError(f"recover run: --store: {exc}") from None
     agents = args.agents if args.agents is not None else min(2, job_config.replicas)
     if not 1 <= agents <= job_config.replicas:
         raise UsageError(f"--agents must be between 1 and --replicas ({job_config.replicas})")
@@ -148,7 +153,7 @@ def run_local(args: argparse.Namespace) -> int:
     try:
         job.start("controller", [python, "-m", "recover.cli.main", "controller",
                                  *job_to_args(job_config), "--port", "0",
-                                 "--port-file", str(port_file)])
+                                 "--port-file", str(port_file), "--store", args.store])
         address = f"127.0.0.1:{_wait_for_port(job, port_file)}"
         for index, slots in enumerate(split_slots(job_config.replicas, agents)):
             job.start(f"agent-{index}", [

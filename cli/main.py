@@ -41,6 +41,8 @@ def build_parser() -> Parser:
                      help="agents (emulated hosts) to spread the replicas over (default: 2)")
     run.add_argument("--out", default="runs/latest", help="where summary.json and logs go")
     run.add_argument("--quiet", action="store_true", help="no live progress display")
+    run.add_argument("--store", default="memory://",
+                     help="controller state store: memory:// (default) or etcd://HOST:PORT[,...]")
 
     ctl = sub.add_parser("controller", help="run the controller of a job")
     add_job_arguments(ctl)
@@ -100,7 +102,7 @@ def _run_controller(args: argparse.Namespace) -> int:
     try:
         open_store(args.store)
     except StoreError as exc:
-        raise UsageError(str(exc)) from None
+        raise UsageError(f"recover controller: --store: {exc}") from None
     logs.configure("controller")
     config = ControllerConfig(host=args.host, port=args.port, port_file=args.port_file,
                               store_url=args.store, agent_timeout_s=args.agent_timeout,

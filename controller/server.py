@@ -15,7 +15,7 @@ import grpc
 from recover.controller.coordinator import Coordinator, JobState
 from recover.controller.rendezvous import RendezvousHost
 from recover.controller.service import AgentSessions, ControlService
-from recover.controller.store import open_store
+from recover.controller.store import Store, StoreError, open_store
 from recover.proto import pb, rpc
 
 log = logging.getLogger("recover.controller")
@@ -39,10 +39,25 @@ class ControllerConfig:
     """Exit this long after the job ends (None: serve status until signalled)."""
 
 
+async def wait_for_store(store: Store, url: str, retry_s: float = 2.0) -> None:
+    """Block until the store answers, saying clearly what is wrong meanwhile."""
+    ping = getattr(store, "ping", None)
+    if ping is None:
+        return
+    while True:
+        try:
+            await ping()
+            return
+        except StoreError as exc:
+            log.error("store not reachable (%s); retrying in %.0fs", exc, retry_s)
+            await asyncio.sleep(retry_s)
+
+
 async def serve(config: ControllerConfig, job: pb.JobConfig) -> int:
     """Serve until signalled (or `linger_s` after the job ends); exit code 0 unless it failed."""
     rendezvous = RendezvousHost(config.host)
     store = open_store(config.store_url)
+    await wait_for_store(store, config.store_url)
     lock = asyncio.Lock()
     sessions: AgentSessions | None = None
 

@@ -82,8 +82,17 @@ class MemoryStore(Store):
 
 
 def open_store(url: str) -> Store:
-    """Build a store from a URL: `memory://` (default). etcd arrives with the HA work."""
+    """Build a store from a URL: `memory://` (default) or `etcd://HOST:PORT[,HOST:PORT...]`.
+
+    Raises StoreError with a one-line reason for a malformed URL.
+    """
     if url in ("", "memory", "memory://"):
         return MemoryStore()
-    scheme = url.split("://", 1)[0] if "://" in url else url
-    raise StoreError(f"unsupported store {url!r}: this build supports memory:// (got scheme {scheme!r})")
+    if url.startswith("etcd://"):
+        from recover.controller.etcd_store import EtcdStore, parse_etcd_url
+
+        try:
+            return EtcdStore(parse_etcd_url(url))
+        except ValueError as exc:
+            raise StoreError(str(exc)) from None
+    raise StoreError(f"unsupported store {url!r}: use memory:// or etcd://HOST:PORT[,HOST:PORT...]")

@@ -25,7 +25,6 @@ import ipaddress
 import os
 import socket
 import threading
-import time
 from dataclasses import dataclass
 
 import torch
@@ -120,15 +119,16 @@ class GenerationGroup:
 
     def __init__(self, spec: GroupSpec) -> None:
         self.spec = spec
-        # The lock orders abort() against connect()'s snapshots and close(): once
+        # The lock orders abort() against the socket snapshots and close(): once
         # close() has run, abort() must not touch fds that may belong to others.
         self._lock = threading.Lock()
+        self._wake = threading.Event()  # set by the builder thread or by abort()
         self._aborted = False
         self._closed = False
-        self._busy = False  # connect() or allreduce_sum_() in flight
-        self._resweeping = False
+        self._busy = False  # allreduce_sum_() in flight
         self._before: set[int] | None = None  # socket inodes that existed before connect()
-        self._owned: set[int] | None = None  # socket inodes created by connect()
+        self._owned: set[int] | None = None  # socket inodes this generation may shut down
+        self._error: str | None = None
         self._store: dist.Store | None = None
         self._pg: dist.ProcessGroupGloo | None = None
 
@@ -138,29 +138,41 @@ class GenerationGroup:
 
     def _check(self) -> None:
         if self._aborted or self._closed:
-            raise CollectiveAborted(f"generation {self.spec.generation} group aborted")
+            raise CollectiveAborted(self._error or f"generation {self.spec.generation} aborted")
 
     def connect(self) -> None:
-        """Build the store client and the gloo group (blocks until all ranks join)."""
-        spec = self.spec
+        """Build the store client and the gloo group (blocks until all ranks join).
+
+        The build runs in a helper thread and this call waits for it *or* abort().
+        Measured: a gloo pair whose peer published its address and then stopped
+        waits, socketless, for that peer to connect to our listener, so shutting
+        sockets cannot always unblock a rendezvous. An abandoned builder ends by
+        itself within timeout_s (sooner in the common case, as abort() shuts the
+        store socket it waits on) and then drops what it built.
+        """
         with self._lock:
             self._check()
             if self._before is not None:
                 raise RuntimeError("connect() may be called only once")
             self._before = set(_socket_inodes())
-            self._busy = True
+        # Not a daemon: a daemon thread still inside gloo/c10d code when the
+        # interpreter exits is torn down by pthread_exit, which aborts the process
+        # ("terminate called without an active exception", measured). Exit waits
+        # for it instead: ms normally, at most timeout_s.
+        threading.Thread(target=self._build,
+                         name=f"gloo-connect-gen{self.spec.generation}").start()
+        self._wake.wait()
+        self._check()  # aborted, closed, or the build failed
+
+    def _build(self) -> None:
+        spec = self.spec
         timeout = datetime.timedelta(seconds=spec.timeout_s)
+        store: dist.Store | None = None
         pg: dist.ProcessGroupGloo | None = None
         error: str | None = None
         try:
-            store = self._open_store(timeout)
-            with self._lock:
-                if not self._closed:
-                    self._store = store
-            del store
-            # abort() may have swept before the store socket existed: check again
-            # before the only step that can block for long.
-            self._check()
+            store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False,
+                                  timeout=timeout, wait_for_workers=False)
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = timeout
             # On loopback every peer is local: bind there and skip hostname lookup;
@@ -168,50 +180,27 @@ class GenerationGroup:
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=spec.store_host)
                              if _is_loopback(spec.store_host)
                              else dist.ProcessGroupGloo.create_default_device()]
-            prefix = dist.PrefixStore(f"gen/{spec.generation}/", self._store)
-            pg = dist.ProcessGroupGloo(prefix, spec.rank, spec.world_size, opts)
-            del prefix
-        except CollectiveAborted as e:
-            error = str(e)
+            pg = dist.ProcessGroupGloo(dist.PrefixStore(f"gen/{spec.generation}/", store),
+                                       spec.rank, spec.world_size, opts)
         except Exception as e:  # noqa: BLE001 - any rendezvous failure means "rebuild"
+            # Keep only the message: the exception's traceback would keep the
+            # half-built store/group (and their sockets) alive.
             error = f"generation {spec.generation} connect failed: {e}"
         with self._lock:
-            self._busy = False
-            # Freeze ownership now (also on failure, for the abort() below), so
-            # sockets that other threads open later are never touched by abort().
-            self._owned = {i for i in _socket_inodes() if i not in self._before}
             if error is None and not (self._aborted or self._closed):
-                self._pg = pg
-            elif error is None:
-                error = f"generation {spec.generation} group aborted during connect"
-        del pg  # an aborted group is destroyed here, outside the lock
-        if error is not None:
-            # Raised outside the except block: no __context__ chain that keeps the
-            # failed store/group frames (and their sockets) alive.
-            self.abort()
-            raise CollectiveAborted(error)
-
-    def _open_store(self, timeout: datetime.timedelta) -> dist.TCPStore:
-        # An unreachable store (ECONNREFUSED: its host is gone) has no socket to shut
-        # down, and TCPStore retries until its timeout: connect in short attempts so
-        # abort() is seen within ~1-2 s, then restore the full timeout for the rest.
-        deadline = time.monotonic() + self.spec.timeout_s
-        while True:
-            self._check()
-            step = max(min(1.0, deadline - time.monotonic()), 0.05)
-            try:
-                store = dist.TCPStore(self.spec.store_host, self.spec.store_port,
-                                      is_master=False, wait_for_workers=False,
-                                      timeout=datetime.timedelta(seconds=step))
-            except Exception:
-                if time.monotonic() >= deadline:
-                    raise
-                continue
-            store.set_timeout(timeout)
-            return store
+                # Freeze ownership now, so sockets that other threads open later
+                # are never touched by abort().
+                assert self._before is not None
+                self._owned = {i for i in _socket_inodes() if i not in self._before}
+                self._pg, self._store, store, pg = pg, store, None, None
+            elif error is not None:
+                self._aborted = True
+                self._error = self._error or error
+        self._wake.set()
+        del pg, store  # an aborted or failed build is destroyed here, off the lock
 
     def allreduce_sum_(self, buffer: torch.Tensor) -> None:
-        """In-place SUM allreduce of a contiguous CPU float tensor.
+        """In-place SUM allreduce of a contiguous CPU tensor.
 
         After a failure the buffer is partially reduced: callers pass a copy.
         """
@@ -235,7 +224,10 @@ class GenerationGroup:
             self._busy = False
         if error is not None:
             # Shut our own sockets too: every peer then fails in ms instead of
-            # waiting for its timeout; raised outside except (see connect()).
+            # waiting for its timeout. Raised outside the except block, so no
+            # __context__ chain keeps the failed group's frames alive.
+            with self._lock:
+                self._error = self._error or error
             self.abort()
             raise CollectiveAborted(error)
         self._check()  # abort() raced with a successful reduction: result not trusted
@@ -246,45 +238,32 @@ class GenerationGroup:
         with self._lock:
             self._aborted = True
             self._sweep()
-            if self._owned is None and not self._resweeping:
-                # connect() may open a socket just after this sweep (e.g. a gloo pair
-                # right after its store lookup) and block on it: keep sweeping in
-                # the background until connect() returns.
-                self._resweeping = True
-                threading.Thread(target=self._resweep, daemon=True,
-                                 name=f"abort-gen{self.spec.generation}").start()
-
-    def _resweep(self) -> None:
-        deadline = time.monotonic() + self.spec.timeout_s + 5.0
-        while time.monotonic() < deadline:
-            time.sleep(0.05)
-            with self._lock:
-                if self._owned is not None or self._closed:  # connect() returned
-                    return
-                self._sweep()
+        self._wake.set()
 
     def _sweep(self) -> None:
-        """Shut down this generation's connected sockets (caller holds the lock).
-
-        While connect() runs, that is every socket new since its snapshot; after it
-        returned, the frozen set it recorded."""
+        """Shut down this generation's connected sockets (caller holds the lock)."""
         if self._closed or self._before is None:
             return  # nothing built yet, or our fds may already belong to others
-        owned, before = self._owned, self._before
-        for inode, fd in _socket_inodes().items():
-            if (inode in owned) if owned is not None else (inode not in before):
-                _shutdown_socket(fd, inode)
+        sockets = _socket_inodes()
+        if self._owned is None:
+            # Build still running: everything new since the snapshot is ours. Freeze
+            # it, so a later abort() never touches a newer generation's sockets.
+            self._owned = {i for i in sockets if i not in self._before}
+        for inode in self._owned:
+            if inode in sockets:
+                _shutdown_socket(sockets[inode], inode)
 
     def close(self) -> None:
         """Drop every reference (group, store) so sockets are released; never hangs."""
         with self._lock:
-            if self._busy:
-                # An operation is in flight in another thread: destroying the group
-                # under it would hang (gloo joins its workers), so fail it first.
+            if self._busy or (self._before is not None and self._owned is None):
+                # An operation or build is in flight in another thread: destroying the
+                # group under it would hang (gloo joins its workers), so fail it first.
                 self._aborted = True
                 self._sweep()
             self._closed = self._aborted = True
             pg, store, self._pg, self._store = self._pg, self._store, None, None
+        self._wake.set()
         # Destroyed outside the lock: gloo's destructor joins its worker threads,
         # which return at once because no operation is left in flight.
         del pg, store

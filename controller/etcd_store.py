@@ -1,0 +1,124 @@
+"""The etcd implementation of `Store` (aetcd client, etcd v3 API).
+
+One gRPC channel to every listed member (`ipv4:a:p1,b:p2,...`): when the
+member in use dies, gRPC moves to another. Every operation is retried with
+backoff for `retry_s`, which covers an etcd leader election (~2 s); after
+that it fails with StoreError and a reason a user can act on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TypeVar
+
+import aetcd
+import aetcd.exceptions
+
+from recover.controller.store import Store, StoreError
+
+log = logging.getLogger("recover.controller")
+
+T = TypeVar("T")
+
+RETRYABLE = (
+    aetcd.exceptions.ConnectionFailedError,
+    aetcd.exceptions.ConnectionTimeoutError,
+    aetcd.exceptions.InternalError,
+    aetcd.exceptions.ClientError,
+)
+
+
+def parse_etcd_url(url: str) -> list[tuple[str, int]]:
+    """`etcd://HOST:PORT[,HOST:PORT...]` -> [(host, port), ...]; ValueError with the reason."""
+    if not url.startswith("etcd://"):
+        raise ValueError(f"store URL {url!r} must start with etcd://")
+    endpoints = []
+    for part in url[len("etcd://"):].rstrip("/").split(","):
+        host, sep, port = part.strip().rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"store URL {url!r}: {part!r} is not HOST:PORT")
+        endpoints.append((host, int(port)))
+    return endpoints
+
+
+class EtcdStore(Store):
+    def __init__(self, endpoints: list[tuple[str, int]], *, retry_s: float = 10.0,
+                 op_timeout_s: float = 2.0) -> None:
+        if not endpoints:
+            raise ValueError("an etcd store needs at least one endpoint")
+        self.endpoints = endpoints
+        self._retry_s = retry_s
+        # aetcd dials f"{host}:{port}": splitting a multi-address target at its
+        # last colon makes it dial every member through one channel.
+        target = "ipv4:" + ",".join(f"{h}:{p}" for h, p in endpoints)
+        host, _, port = target.rpartition(":")
+        self._client = aetcd.Client(host=host, port=int(port), timeout=op_timeout_s,
+                                    options={"grpc.initial_reconnect_backoff_ms": 100,
+                                             "grpc.max_reconnect_backoff_ms": 1000})
+
+    @property
+    def description(self) -> str:
+        return "etcd://" + ",".join(f"{h}:{p}" for h, p in self.endpoints)
+
+    async def _retry(self, what: str, operation: Callable[[], Awaitable[T]]) -> T:
+        deadline = time.monotonic() + self._retry_s
+        delay = 0.05
+        while True:
+            try:
+                return await operation()
+            except RETRYABLE as exc:
+                if time.monotonic() >= deadline:
+                    raise StoreError(f"etcd at {self.description} failed to {what} for "
+                                     f"{self._retry_s:.0f}s: {type(exc).__name__}: {exc}") from None
+                log.warning("etcd %s failed (%s); retrying", what, type(exc).__name__)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.5)
+
+    async def get(self, key: str) -> bytes | None:
+        result = await self._retry("read", lambda: self._client.get(key.encode()))
+        return None if result is None else bytes(result.value)
+
+    async def put(self, key: str, value: bytes) -> None:
+        await self._retry("write", lambda: self._client.put(key.encode(), bytes(value)))
+
+    async def put_many(self, items: Iterable[tuple[str, bytes]]) -> None:
+        items = list(items)
+        if not items:
+            return
+        txn = self._client.transactions
+        ops = [txn.put(k.encode(), bytes(v)) for k, v in items]
+        await self._retry("write", lambda: self._client.transaction(compare=[], success=ops,
+                                                                     failure=[]))
+
+    async def delete(self, key: str) -> None:
+        await self._retry("delete", lambda: self._client.delete(key.encode()))
+
+    async def get_prefix(self, prefix: str) -> list[tuple[str, bytes]]:
+        result = await self._retry("read", lambda: self._client.get_prefix(
+            prefix.encode(), sort_order="ascend", sort_target="key"))
+        return [(kv.key.decode(), bytes(kv.value)) for kv in result]
+
+    async def compare_and_put(self, key: str, expected: bytes | None, value: bytes) -> bool:
+        """Atomic CAS. Not retried blindly: a retry after an ambiguous timeout could
+        report failure for a write that went through, so ambiguity surfaces as StoreError."""
+        txn = self._client.transactions
+        compare = ([txn.version(key.encode()) == 0] if expected is None
+                   else [txn.value(key.encode()) == bytes(expected)])
+        success = [txn.put(key.encode(), bytes(value))]
+        try:
+            succeeded, _ = await self._client.transaction(compare=compare, success=success,
+                                                          failure=[])
+        except RETRYABLE as exc:
+            raise StoreError(f"etcd at {self.description}: compare-and-put of {key} "
+                             f"failed: {type(exc).__name__}") from None
+        return bool(succeeded)
+
+    async def ping(self) -> None:
+        """Fail with StoreError unless etcd answers within the retry window."""
+        await self._retry("answer", self._client.status)
+
+    async def close(self) -> None:
+        await self._client.close()
