@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from prometheus_client import CollectorRegistry, start_http_server
 
 from recover.agent.local import WorkerChannelService
+from recover.agent.metrics import AgentCollector
 from recover.agent.workers import WorkerProcess, exit_report, spawn_worker, stop_workers
 from recover.common import progress
 from recover.proto import pb, rpc
@@ -50,6 +52,10 @@ class AgentConfig:
     """Write each worker's output to LOG_DIR/replica-N.log instead of inheriting stdout."""
     shutdown_grace_s: float = 5.0
     """How long workers get to exit on their own when the job ends."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics on 127.0.0.1:PORT/metrics (0: any free port; None: off)."""
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics endpoint listens on."""
 
 
 class Agent:
@@ -58,11 +64,23 @@ class Agent:
         self._upstream: asyncio.Queue[pb.AgentMessage | None] = asyncio.Queue()
         self.workers: dict[int, WorkerProcess] = {}
         self._members: set[int] = set()
-        self._generation = 0
+        self.generation = 0
         self._shutdown: pb.Shutdown | None = None
+        self.heartbeats_sent = 0
+        self.reports_relayed = 0
+        self.metrics_port: int | None = None
 
     def relay(self, report: pb.WorkerReport) -> None:
+        self.reports_relayed += 1
         self._upstream.put_nowait(pb.AgentMessage(report=report))
+
+    def _serve_metrics(self) -> None:
+        registry = CollectorRegistry()
+        registry.register(AgentCollector(self))
+        server, _ = start_http_server(self.config.metrics_port or 0, self.config.metrics_host,
+                                      registry=registry)
+        self.metrics_port = server.server_port
+        log.info("metrics on http://%s:%d/metrics", self.config.metrics_host, self.metrics_port)
 
     async def _requests(self) -> AsyncIterator[pb.AgentMessage]:
         while (message := await self._upstream.get()) is not None:
@@ -70,6 +88,8 @@ class Agent:
 
     async def run(self) -> int:
         cfg = self.config
+        if cfg.metrics_port is not None:
+            self._serve_metrics()
         channel = grpc.aio.insecure_channel(cfg.controller)
         try:
             await asyncio.wait_for(channel.channel_ready(), cfg.connect_timeout_s)
@@ -170,6 +190,7 @@ class Agent:
     async def _heartbeat(self) -> None:
         while True:
             self._upstream.put_nowait(pb.AgentMessage(heartbeat=pb.Heartbeat(sent_at=time.time())))
+            self.heartbeats_sent += 1
             await asyncio.sleep(self.config.heartbeat_s)
 
     def _handle(self, message: pb.ControllerMessage) -> bool:
@@ -177,13 +198,13 @@ class Agent:
         kind = message.WhichOneof("kind")
         if kind == "generation":
             view = message.generation
-            if view.generation <= self._generation:
+            if view.generation <= self.generation:
                 return False  # fenced: never go back to an older view
-            self._generation = view.generation
+            self.generation = view.generation
             self._members = set(view.members)
             self._forward(pb.WorkerCommand(generation=view))
         elif kind == "commit":
-            if message.commit.generation == self._generation:
+            if message.commit.generation == self.generation:
                 self._forward(pb.WorkerCommand(commit=message.commit))
         elif kind == "shutdown":
             self._shutdown = message.shutdown

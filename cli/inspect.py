@@ -9,6 +9,7 @@ import time
 
 import grpc
 from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
 
 from recover.proto import pb, rpc
 
@@ -26,6 +27,21 @@ def connect(address: str, timeout_s: float = 5.0) -> tuple[grpc.Channel, rpc.Con
         raise ControllerUnreachable(
             f"no controller answers at {address} (waited {timeout_s:.0f}s)") from None
     return channel, rpc.ControlStub(channel)
+
+
+def to_json(message: Message) -> str:
+    """snake_case JSON with numbers as numbers (protobuf's JSON turns int64 into strings)."""
+    fields = {f.name: f for f in message.DESCRIPTOR.fields}
+
+    def fix(value: object, field_name: str) -> object:
+        field = fields.get(field_name)
+        if field is not None and field.cpp_type in (field.CPPTYPE_INT64, field.CPPTYPE_UINT64):
+            return [int(v) for v in value] if isinstance(value, list) else int(value)  # type: ignore[arg-type]
+        return value
+
+    raw = MessageToDict(message, preserving_proto_field_name=True,
+                        always_print_fields_with_no_presence=True)
+    return json.dumps({k: fix(v, k) for k, v in raw.items()})
 
 
 def format_status(status: pb.JobStatus) -> str:
@@ -63,15 +79,13 @@ def main(args: argparse.Namespace) -> int:
     try:
         if args.command == "status":
             status = stub.Status(pb.StatusRequest(), timeout=5)
-            print(json.dumps(MessageToDict(status, always_print_fields_with_no_presence=True))
-                  if args.json else format_status(status))
+            print(to_json(status) if args.json else format_status(status))
             return 0
         after = 0
         while True:
             events = stub.Events(pb.EventsRequest(after_seq=after), timeout=5).events
             for event in events:
-                print(json.dumps(MessageToDict(event, always_print_fields_with_no_presence=True))
-                      if args.json else format_event(event), flush=True)
+                print(to_json(event) if args.json else format_event(event), flush=True)
                 after = event.seq
             if not args.follow:
                 return 0

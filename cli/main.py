@@ -49,7 +49,10 @@ def build_parser() -> Parser:
     ctl.add_argument("--host", default="127.0.0.1", help="address to listen on and advertise")
     ctl.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
     ctl.add_argument("--port-file", default=None, help="write the chosen port here")
-    ctl.add_argument("--store", default="memory://", help="state store URL (memory://)")
+    ctl.add_argument("--store", default="memory://",
+                     help="state store: memory:// (default) or etcd://HOST:PORT[,HOST:PORT...]")
+    ctl.add_argument("--metrics-port", type=int, default=None,
+                     help="serve Prometheus metrics on this port (0: any free port)")
     ctl.add_argument("--agent-timeout", type=positive_seconds, default=3.0,
                      help="seconds of heartbeat silence before an agent is declared lost")
     ctl.add_argument("--start-timeout", type=positive_seconds, default=120.0,
@@ -63,6 +66,8 @@ def build_parser() -> Parser:
     agent.add_argument("--slots", type=int, default=1, help="worker slots on this host")
     agent.add_argument("--agent-id", default=None, help="unique name (default: host + random)")
     agent.add_argument("--log-dir", default=None, help="write worker output to LOG_DIR/replica-N.log")
+    agent.add_argument("--metrics-port", type=int, default=None,
+                       help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (0: any free port)")
     agent.add_argument("--connect-timeout", type=positive_seconds, default=10.0,
                        help="seconds to wait for the controller at start")
     agent.add_argument("worker_command", nargs=argparse.REMAINDER,
@@ -106,7 +111,8 @@ def _run_controller(args: argparse.Namespace) -> int:
     logs.configure("controller")
     config = ControllerConfig(host=args.host, port=args.port, port_file=args.port_file,
                               store_url=args.store, agent_timeout_s=args.agent_timeout,
-                              start_timeout_s=args.start_timeout, linger_s=args.linger)
+                              start_timeout_s=args.start_timeout, linger_s=args.linger,
+                              metrics_port=args.metrics_port)
     try:
         return asyncio.run(serve(config, job))
     except OSError as exc:
@@ -125,7 +131,7 @@ def _run_agent(args: argparse.Namespace) -> int:
     logs.configure("agent")
     config = AgentConfig(controller=args.controller, slots=args.slots,
                          command=command or DEFAULT_WORKER, log_dir=args.log_dir,
-                         connect_timeout_s=args.connect_timeout,
+                         connect_timeout_s=args.connect_timeout, metrics_port=args.metrics_port,
                          **({"agent_id": args.agent_id} if args.agent_id else {}))
     try:
         return asyncio.run(Agent(config).run())

@@ -123,6 +123,11 @@ class Coordinator:
         self._unrecovered: list[pb.FailureRecord] = []
         self.recoveries = 0
         self.stale_reports = 0
+        self.recovery_timings: list[dict[str, float]] = []
+        """Seconds per recovery phase (detect, plan, rebuild, recompute, commit), for metrics."""
+        self._pending_timing: dict[str, float] | None = None
+        self._generation_started_at = 0.0
+        self._rebuild_s: dict[int, float] = {}
         self.created_at = clock()
         self.started_at = 0.0
         self.finished_at = 0.0
@@ -169,6 +174,10 @@ class Coordinator:
         if self.state in TERMINAL:
             return
         self.events.emit("agent-lost", f"agent {agent_id}: {why}", level=logging.WARNING)
+        # Fencing: should the host wake up (it was only stopped, or cut off), it
+        # must stop its workers rather than act on a membership it is no longer in.
+        self._send(agent_id, pb.ControllerMessage(shutdown=pb.Shutdown(
+            reason=f"this agent was declared lost ({why})", success=False)))
         lost = [r for r in agent.replicas if self.replicas[r].alive]
         for replica in lost:
             self._record_failure(replica, "agent-lost", None)
@@ -225,10 +234,18 @@ class Coordinator:
             self.stale_reports += 1
             return
         self._progress.resumed[replica] = msg.at
+        self._rebuild_s[replica] = msg.rebuild_s
         if self._unrecovered and set(self._progress.resumed) >= set(self.members):
             at = max(self._progress.resumed.values())
             for failure in self._unrecovered:
                 failure.recovered_at = at
+            first = self._unrecovered[0]
+            self._pending_timing = {
+                "detect": first.detected_at - first.killed_at if first.killed_at else 0.0,
+                "plan": max(self._generation_started_at - first.detected_at, 0.0),
+                "rebuild": max(self._rebuild_s.values(), default=0.0),
+                "resumed_at": at,
+            }
             self.events.emit(
                 "recovered",
                 f"all {len(self.members)} survivors compute again in generation "
@@ -273,6 +290,8 @@ class Coordinator:
         self.members = members
         self.plan = dict(decision.assignment)
         self._progress = _StepProgress()
+        self._rebuild_s = {}
+        self._generation_started_at = self._clock()
         view = pb.GenerationView(
             generation=self.generation, members=members, rendezvous=self._rendezvous,
             plan=self._plan_message(self.step, decision))
@@ -330,7 +349,14 @@ class Coordinator:
             tokens=job.global_microbatches * job.microbatch_size * job.model.seq_len,
             compute_s=max(r.compute_s for r in reports), reduce_s=max(r.reduce_s for r in reports))
         # Durable before anyone applies: a new leader must know this step committed.
+        before_store = self._clock()
         await self._store.put(f"{self._prefix}steps/{self.step:010d}", record.SerializeToString())
+        if self._pending_timing is not None:
+            timing, self._pending_timing = self._pending_timing, None
+            resumed_at = timing.pop("resumed_at")
+            timing["recompute"] = max(before_store - resumed_at, 0.0)
+            timing["commit"] = self._clock() - before_store
+            self.recovery_timings.append(timing)
         self.steps.append(record)
         step, self.step = self.step, self.step + 1
         self.scale_epoch = 0

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from prometheus_client import CollectorRegistry, start_http_server
 
 from recover.controller.coordinator import Coordinator, JobState
+from recover.controller.metrics import ControllerCollector
 from recover.controller.rendezvous import RendezvousHost
 from recover.controller.service import AgentSessions, ControlService
 from recover.controller.store import Store, StoreError, open_store
@@ -37,6 +39,8 @@ class ControllerConfig:
     """Fail the job if not every replica is ready this long after the controller starts."""
     linger_s: float | None = None
     """Exit this long after the job ends (None: serve status until signalled)."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics on http://host:PORT/metrics (0: any free port; None: off)."""
 
 
 async def wait_for_store(store: Store, url: str, retry_s: float = 2.0) -> None:
@@ -77,6 +81,13 @@ async def serve(config: ControllerConfig, job: pb.JobConfig) -> int:
     except RuntimeError as exc:
         raise OSError(f"cannot listen on {config.host}:{config.port}: {exc}") from None
     await server.start()
+    metrics_port = None
+    if config.metrics_port is not None:
+        registry = CollectorRegistry()
+        registry.register(ControllerCollector(coordinator))
+        metrics_server, _ = start_http_server(config.metrics_port, config.host, registry=registry)
+        metrics_port = metrics_server.server_port
+        log.info("metrics on http://%s:%d/metrics", config.host, metrics_port)
     if config.port_file:
         tmp = Path(f"{config.port_file}.tmp")
         tmp.write_text(str(port))

@@ -1,0 +1,59 @@
+"""Prometheus metrics of an agent, read from its state at scrape time.
+
+| metric | type | meaning |
+|---|---|---|
+| `recover_agent_workers` | gauge, by state | workers running / exited |
+| `recover_agent_worker_exits_total` | counter, by cause | exits reported (crash, watchdog) |
+| `recover_agent_generation` | gauge | newest generation this agent forwarded |
+| `recover_agent_heartbeats_total` | counter | heartbeats sent to the controller |
+| `recover_agent_reports_relayed_total` | counter | worker reports relayed upstream |
+| `recover_agent_worker_progress_age_seconds` | gauge, by replica | since the worker's last liveness beat |
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from recover.common import progress
+
+if TYPE_CHECKING:
+    from recover.agent.daemon import Agent
+
+
+class AgentCollector(Collector):
+    def __init__(self, agent: Agent) -> None:
+        self._agent = agent
+
+    def collect(self) -> Iterator[Metric]:
+        agent = self._agent
+        workers = list(agent.workers.values())
+        running = sum(w.process.returncode is None for w in workers)
+        states = GaugeMetricFamily("recover_agent_workers", "Workers by state", labels=["state"])
+        states.add_metric(["running"], running)
+        states.add_metric(["exited"], len(workers) - running)
+        yield states
+        exits = CounterMetricFamily("recover_agent_worker_exits", "Worker exits by cause",
+                                    labels=["cause"])
+        exited = [w for w in workers if w.process.returncode is not None]
+        exits.add_metric(["watchdog"], sum(bool(w.killed_by_agent) for w in exited))
+        exits.add_metric(["crash"], sum(not w.killed_by_agent for w in exited))
+        yield exits
+        yield GaugeMetricFamily("recover_agent_generation", "Newest generation forwarded",
+                                value=agent.generation)
+        yield CounterMetricFamily("recover_agent_heartbeats", "Heartbeats sent",
+                                  value=agent.heartbeats_sent)
+        yield CounterMetricFamily("recover_agent_reports_relayed", "Worker reports relayed",
+                                  value=agent.reports_relayed)
+        ages = GaugeMetricFamily("recover_agent_worker_progress_age_seconds",
+                                 "Seconds since a worker's last liveness beat", labels=["replica"])
+        now = time.monotonic()
+        for worker in workers:
+            snapshot = progress.read(worker.progress_path) if worker.progress_path else None
+            if worker.process.returncode is None and snapshot is not None and snapshot.beat_at > 0:
+                ages.add_metric([str(worker.replica)], now - snapshot.beat_at)
+        yield ages

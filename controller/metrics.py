@@ -1,0 +1,107 @@
+"""Prometheus metrics of the controller, read from the coordinator at scrape time.
+
+Pull-based on purpose: nothing is counted on the training path; a scrape
+walks the coordinator's state. Names (all prefixed `recover_`):
+
+| metric | type | meaning |
+|---|---|---|
+| `recover_live_replicas` | gauge | replicas alive in the job |
+| `recover_live_agents` | gauge | agents with a live session |
+| `recover_generation` | gauge | current membership generation |
+| `recover_steps_committed_total` | counter | committed steps |
+| `recover_microbatches_committed_total` | counter | microbatches in committed steps |
+| `recover_tokens_committed_total` | counter | tokens in committed steps |
+| `recover_tokens_per_second` | gauge | tokens/s over the last 10 committed steps |
+| `recover_microbatches_planned` | gauge, by replica | microbatches of the current plan per replica |
+| `recover_failures_total` | counter, by cause | replica failures (injected, external, watchdog, agent-lost) |
+| `recover_recoveries_total` | counter | generations made to recover from failures |
+| `recover_recovery_seconds` | histogram, by phase | detect, plan, rebuild, recompute, commit |
+| `recover_heartbeat_age_seconds` | gauge, by agent | time since the agent was last heard |
+| `recover_fenced_messages_total` | counter | stale reports refused (older generation or step) |
+| `recover_exact_redos_total` | counter | steps redone after an exact-reduction overflow |
+| `recover_leader_term` | gauge | leadership term (0: single controller) |
+| `recover_job_state` | gauge, by state | 1 for the job's current state |
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from recover.controller.coordinator import Coordinator, JobState
+
+RECOVERY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+PHASES = ("detect", "plan", "rebuild", "recompute", "commit")
+
+
+class ControllerCollector(Collector):
+    def __init__(self, coordinator: Coordinator, leader_term: int = 0) -> None:
+        self._c = coordinator
+        self.leader_term = leader_term
+
+    def collect(self) -> Iterator[Metric]:
+        c = self._c
+        now = c.now()
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, value=value)
+
+        yield gauge("recover_live_replicas", "Replicas alive in the job",
+                    sum(r.alive for r in c.replicas.values()))
+        yield gauge("recover_live_agents", "Agents with a live session",
+                    sum(a.alive for a in c.agents.values()))
+        yield gauge("recover_generation", "Current membership generation", c.generation)
+        yield CounterMetricFamily("recover_steps_committed", "Committed steps", value=len(c.steps))
+        yield CounterMetricFamily("recover_microbatches_committed", "Microbatches in committed steps",
+                                  value=sum(s.microbatches for s in c.steps))
+        yield CounterMetricFamily("recover_tokens_committed", "Tokens in committed steps",
+                                  value=sum(s.tokens for s in c.steps))
+        recent = c.steps[-11:]
+        rate = 0.0
+        if len(recent) >= 2 and recent[-1].committed_at > recent[0].committed_at:
+            rate = sum(s.tokens for s in recent[1:]) / (recent[-1].committed_at - recent[0].committed_at)
+        yield gauge("recover_tokens_per_second", "Tokens per second over the last 10 steps", rate)
+        planned = GaugeMetricFamily("recover_microbatches_planned",
+                                    "Microbatches per replica in the current plan", labels=["replica"])
+        for replica, ids in sorted(c.plan.items()):
+            planned.add_metric([str(replica)], len(ids))
+        yield planned
+        failures = CounterMetricFamily("recover_failures", "Replica failures by cause",
+                                       labels=["cause"])
+        for cause, count in sorted(Counter(f.cause for f in c.failures).items()):
+            failures.add_metric([cause], count)
+        yield failures
+        yield CounterMetricFamily("recover_recoveries", "Recoveries (new generations after failures)",
+                                  value=c.recoveries)
+        histogram = HistogramMetricFamily("recover_recovery_seconds",
+                                          "Recovery time by phase", labels=["phase"])
+        for phase in PHASES:
+            values = [t[phase] for t in c.recovery_timings if phase in t]
+            buckets = [(str(b), sum(v <= b for v in values)) for b in RECOVERY_BUCKETS]
+            buckets.append(("+Inf", len(values)))
+            histogram.add_metric([phase], buckets, sum_value=sum(values))
+        yield histogram
+        ages = GaugeMetricFamily("recover_heartbeat_age_seconds", "Seconds since an agent was heard",
+                                 labels=["agent"])
+        for agent in c.agents.values():
+            if agent.alive:
+                ages.add_metric([agent.agent_id], now - agent.last_heartbeat)
+        yield ages
+        yield CounterMetricFamily("recover_fenced_messages", "Stale reports refused",
+                                  value=c.stale_reports)
+        yield CounterMetricFamily("recover_exact_redos", "Steps redone after an exact overflow",
+                                  value=c.redos)
+        yield gauge("recover_leader_term", "Leadership term (0: single controller)", self.leader_term)
+        state = GaugeMetricFamily("recover_job_state", "1 for the job's current state",
+                                  labels=["state"])
+        for value in JobState:
+            state.add_metric([str(value)], 1.0 if c.state is value else 0.0)
+        yield state

@@ -1,0 +1,109 @@
+"""The parts started by hand (the deploy recipe): host loss, status, events, metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.etcd_cluster import free_port
+from tests.integration.conftest import recover_cmd
+
+pytestmark = pytest.mark.slow
+
+
+def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def recover_json(*args: str) -> Any:
+    out = subprocess.run(recover_cmd(*args, "--json"), capture_output=True, text=True, timeout=20)
+    assert out.returncode == 0, out.stderr
+    return [json.loads(line) for line in out.stdout.splitlines()]
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return response.read().decode()
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    match = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.MULTILINE)
+    assert match, f"{name}{labels} not in metrics"
+    return float(match.group(1))
+
+
+def test_host_loss_kill_and_stop(tmp_path: Path) -> None:
+    port, metrics_port, agent_metrics = free_port(), free_port(), free_port()
+    address = f"127.0.0.1:{port}"
+    logs = tmp_path / "logs"
+    processes: list[subprocess.Popen[bytes]] = []
+
+    def start(name: str, *args: str) -> subprocess.Popen[bytes]:
+        logs.mkdir(exist_ok=True)
+        process = subprocess.Popen(recover_cmd(*args), stdout=open(logs / f"{name}.log", "wb"),
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+        processes.append(process)
+        return process
+
+    try:
+        controller = start("controller", "controller", "--port", str(port), "--replicas", "4",
+                           "--steps", "400", "-M", "8", "-B", "4", "--metrics-port",
+                           str(metrics_port), "--job-id", "hosts")
+        time.sleep(0.5)
+        start("agent-a", "agent", "--controller", address, "--slots", "2", "--agent-id", "a",
+              "--log-dir", str(logs), "--metrics-port", str(agent_metrics))
+        killed = start("agent-b", "agent", "--controller", address, "--slots", "1",
+                       "--agent-id", "b", "--log-dir", str(logs))
+        stopped = start("agent-c", "agent", "--controller", address, "--slots", "1",
+                        "--agent-id", "c", "--log-dir", str(logs))
+        wait_for(lambda: recover_json("status", "--controller", address)[0]["steps_committed"] >= 3,
+                 90, "training to start")
+        os.kill(killed.pid, signal.SIGKILL)
+        os.kill(stopped.pid, signal.SIGSTOP)
+        lost_at = time.monotonic()
+
+        def both_lost() -> bool:
+            kinds = [e for e in recover_json("events", "--controller", address)
+                     if e["kind"] == "agent-lost"]
+            return len(kinds) == 2
+
+        wait_for(both_lost, 10, "both hosts declared lost")
+        assert time.monotonic() - lost_at < 3.0 + 2.0  # agent timeout 3 s, plus polling slack
+        status = recover_json("status", "--controller", address)[0]
+        assert status["live_replicas"] == [0, 1]
+        assert status["agents"] == 1
+        progressed = status["steps_committed"]
+        wait_for(lambda: recover_json("status", "--controller", address)[0]["steps_committed"]
+                 > progressed + 5, 60, "training to go on with the rest")
+        text = scrape(metrics_port)
+        assert metric(text, "recover_failures_total", '{cause="agent-lost"}') == 2
+        assert metric(text, "recover_live_replicas") == 2
+        assert metric(text, "recover_recovery_seconds_count", '{phase="rebuild"}') >= 1
+        assert metric(scrape(agent_metrics), "recover_agent_workers", '{state="running"}') == 2
+        status = recover_json("status", "--controller", address)[0]
+        assert {entry["microbatches"] for entry in status["load"]} == {4}
+        os.kill(stopped.pid, signal.SIGCONT)  # the zombie host wakes up: it must stand down
+        assert stopped.wait(timeout=15) == 1
+        controller.send_signal(signal.SIGTERM)
+        controller.wait(timeout=15)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
