@@ -53,11 +53,12 @@ def test_host_loss_kill_and_stop(tmp_path: Path) -> None:
     address = f"127.0.0.1:{port}"
     logs = tmp_path / "logs"
     processes: list[subprocess.Popen[bytes]] = []
+    logs.mkdir()
 
     def start(name: str, *args: str) -> subprocess.Popen[bytes]:
-        logs.mkdir(exist_ok=True)
-        process = subprocess.Popen(recover_cmd(*args), stdout=open(logs / f"{name}.log", "wb"),
-                                   stderr=subprocess.STDOUT, start_new_session=True)
+        with open(logs / f"{name}.log", "wb") as log:  # the child keeps its own descriptor
+            process = subprocess.Popen(recover_cmd(*args), stdout=log, stderr=subprocess.STDOUT,
+                                       start_new_session=True)
         processes.append(process)
         return process
 

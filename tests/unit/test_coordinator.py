@@ -445,7 +445,10 @@ async def test_agent_lost_before_start_fails_the_job():
     await h.coord.agent_lost("b", "session closed")
     assert h.coord.state is JobState.FAILED
     assert "before training started" in h.coord.reason and "agent b lost" in h.coord.reason
-    assert [a for a, _ in h.messages("shutdown")] == ["a"], "no message to a lost agent"
+    # The lost agent is told to stand down first (fencing, should it wake up), then everyone.
+    shutdowns = h.messages("shutdown")
+    assert [a for a, _ in shutdowns] == ["b", "a"]
+    assert "declared lost" in shutdowns[0][1].reason and not shutdowns[0][1].success
 
 
 # ---------------------------------------------------------------- the end
