@@ -78,6 +78,9 @@ def exit_report(worker: WorkerProcess, returncode: int) -> pb.WorkerExited:
     )
     if worker.fault is not None:
         report.fault.CopyFrom(worker.fault)
+        snapshot = progress.read(worker.progress_path) if worker.progress_path else None
+        if snapshot is not None and snapshot.killed_at > 0:
+            report.fault.killed_at = snapshot.killed_at  # stamped right before the kill
     report.killed_by_agent = worker.killed_by_agent
     return report
 

@@ -38,18 +38,20 @@ def failure_entry(failure: pb.FailureRecord, started_at: float) -> dict[str, Any
 
 
 def step_time(steps: list[pb.StepRecord]) -> dict[str, float] | None:
-    """Median step wall time (commit to commit) and where it goes, failure-free steps only."""
-    walls, compute, reduce = [], [], []
-    for previous, record in itertools.pairwise(steps):
-        if record.generation == previous.generation:  # skip steps that included a recovery
-            walls.append(record.committed_at - previous.committed_at)
-            compute.append(record.compute_s)
-            reduce.append(record.reduce_s)
-    if not walls:
+    """Median step wall time (commit to commit) and where it goes, failure-free steps only.
+
+    compute_s: the slowest replica's compute (the critical path); reduce_s: the
+    last replica's allreduce (communication, no waiting for stragglers);
+    commit_wait_s: reporting the reduction -> receiving the commit (the control
+    plane's round trip); other_s: the rest (load imbalance, optimizer step, data).
+    """
+    rows = [(r.committed_at - p.committed_at, r.compute_s, r.reduce_s, r.commit_wait_s)
+            for p, r in itertools.pairwise(steps) if r.generation == p.generation]
+    if not rows:
         return None
-    wall, comp, red = statistics.median(walls), statistics.median(compute), statistics.median(reduce)
+    wall, comp, red, wait = (statistics.median(column) for column in zip(*rows, strict=True))
     return {"median_s": round(wall, 5), "compute_s": round(comp, 5), "reduce_s": round(red, 5),
-            "control_s": round(max(wall - comp - red, 0.0), 5)}
+            "commit_wait_s": round(wait, 5), "other_s": round(max(wall - comp - red - wait, 0.0), 5)}
 
 
 def build_summary(report: pb.RunReport, wall_s: float) -> dict[str, Any]:

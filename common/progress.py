@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 BEAT_PERIOD_S = 0.1
-_LAYOUT = struct.Struct("<5d")  # beat_at, computing, compute_started_at, typical_s, microbatches
+# beat_at, computing, compute_started_at, typical_s, microbatches, killed_at (wall clock)
+_LAYOUT = struct.Struct("<6d")
 SIZE = _LAYOUT.size
 
 
@@ -38,6 +39,8 @@ class ProgressSnapshot:
     typical_microbatch_s: float
     """Moving average of this worker's microbatch time (0 until one finished)."""
     microbatches: int
+    killed_at: float = 0.0
+    """Unix time at which the worker SIGKILLed itself (fault injection), else 0."""
 
 
 def create(path: Path) -> None:
@@ -51,8 +54,8 @@ def read(path: Path) -> ProgressSnapshot | None:
         return None
     if len(data) < SIZE:
         return None
-    beat, computing, started, typical, count = _LAYOUT.unpack_from(data)
-    return ProgressSnapshot(beat, computing > 0.5, started, typical, int(count))
+    beat, computing, started, typical, count, killed_at = _LAYOUT.unpack_from(data)
+    return ProgressSnapshot(beat, computing > 0.5, started, typical, int(count), killed_at)
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,10 @@ class ProgressBeacon:
         self._count += 1
         struct.pack_into("<ddd", self._map, 16, self._started, self._typical, float(self._count))
         struct.pack_into("<d", self._map, 8, 0.0)
+
+    def mark_killed(self) -> None:
+        """Stamp the moment of an injected kill, right before it (no RPC in between)."""
+        struct.pack_into("<d", self._map, 40, time.time())
 
     def close(self) -> None:
         self._stop.set()

@@ -128,6 +128,7 @@ class Coordinator:
         self._pending_timing: dict[str, float] | None = None
         self._generation_started_at = 0.0
         self._rebuild_s: dict[int, float] = {}
+        self._commit_waits: dict[int, list[float]] = {}
         self.created_at = clock()
         self.started_at = 0.0
         self.finished_at = 0.0
@@ -269,6 +270,9 @@ class Coordinator:
             return
         record = self.steps[msg.step]
         record.param_sha256.append(pb.ReplicaDigest(replica=replica, param_sha256=msg.param_sha256))
+        waits = sorted([*self._commit_waits.get(msg.step, []), msg.commit_wait_s])
+        self._commit_waits[msg.step] = waits
+        record.commit_wait_s = waits[len(waits) // 2]
         digests = {d.param_sha256 for d in record.param_sha256}
         if len(digests) > 1:
             self.events.emit("divergence", f"replicas disagree on parameters after step {msg.step}",
@@ -347,7 +351,7 @@ class Coordinator:
             sample_digest=sample_digest(s for r in reports for s in r.sample_ids),
             loss=reports[0].loss, committed_at=self._clock(),
             tokens=job.global_microbatches * job.microbatch_size * job.model.seq_len,
-            compute_s=max(r.compute_s for r in reports), reduce_s=max(r.reduce_s for r in reports))
+            compute_s=max(r.compute_s for r in reports), reduce_s=min(r.reduce_s for r in reports))
         # Durable before anyone applies: a new leader must know this step committed.
         before_store = self._clock()
         await self._store.put(f"{self._prefix}steps/{self.step:010d}", record.SerializeToString())

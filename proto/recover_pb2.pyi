@@ -167,12 +167,14 @@ class Reduced(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., microbatch_ids: _Optional[_Iterable[int]] = ..., sample_ids: _Optional[_Iterable[int]] = ..., loss: _Optional[float] = ..., compute_s: _Optional[float] = ..., reduce_s: _Optional[float] = ..., overflow: _Optional[int] = ..., scale_epoch: _Optional[int] = ...) -> None: ...
 
 class Applied(_message.Message):
-    __slots__ = ("step", "param_sha256")
+    __slots__ = ("step", "param_sha256", "commit_wait_s")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PARAM_SHA256_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     step: int
     param_sha256: str
-    def __init__(self, step: _Optional[int] = ..., param_sha256: _Optional[str] = ...) -> None: ...
+    commit_wait_s: float
+    def __init__(self, step: _Optional[int] = ..., param_sha256: _Optional[str] = ..., commit_wait_s: _Optional[float] = ...) -> None: ...
 
 class WorkerReport(_message.Message):
     __slots__ = ("replica", "ready", "resumed", "reduced", "applied")
@@ -369,7 +371,7 @@ class ReplicaDigest(_message.Message):
     def __init__(self, replica: _Optional[int] = ..., param_sha256: _Optional[str] = ...) -> None: ...
 
 class StepRecord(_message.Message):
-    __slots__ = ("step", "generation", "microbatches", "sample_digest", "loss", "committed_at", "param_sha256", "tokens", "compute_s", "reduce_s")
+    __slots__ = ("step", "generation", "microbatches", "sample_digest", "loss", "committed_at", "param_sha256", "tokens", "compute_s", "reduce_s", "commit_wait_s")
     STEP_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
@@ -380,6 +382,7 @@ class StepRecord(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     REDUCE_S_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     step: int
     generation: int
     microbatches: int
@@ -390,7 +393,8 @@ class StepRecord(_message.Message):
     tokens: int
     compute_s: float
     reduce_s: float
-    def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., microbatches: _Optional[int] = ..., sample_digest: _Optional[str] = ..., loss: _Optional[float] = ..., committed_at: _Optional[float] = ..., param_sha256: _Optional[_Iterable[_Union[ReplicaDigest, _Mapping]]] = ..., tokens: _Optional[int] = ..., compute_s: _Optional[float] = ..., reduce_s: _Optional[float] = ...) -> None: ...
+    commit_wait_s: float
+    def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., microbatches: _Optional[int] = ..., sample_digest: _Optional[str] = ..., loss: _Optional[float] = ..., committed_at: _Optional[float] = ..., param_sha256: _Optional[_Iterable[_Union[ReplicaDigest, _Mapping]]] = ..., tokens: _Optional[int] = ..., compute_s: _Optional[float] = ..., reduce_s: _Optional[float] = ..., commit_wait_s: _Optional[float] = ...) -> None: ...
 
 class FailureRecord(_message.Message):
     __slots__ = ("step", "replica", "phase", "cause", "killed_at", "detected_at", "recovered_at", "generation")

@@ -13,7 +13,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from recover.proto import pb
 
@@ -81,9 +81,16 @@ class FaultInjector:
     """Fires this replica's faults; `note` tells the agent first."""
 
     def __init__(self, faults: Iterable[pb.FaultSpec], replica: int,
-                 note: callable[[pb.FaultNote], None]) -> None:  # type: ignore[valid-type]
+                 note: Callable[[pb.FaultNote], None],
+                 stamp: Callable[[], None] | None = None) -> None:
         self._faults = [f for f in faults if f.replica == replica]
         self._note = note
+        self._stamp = stamp
+
+    def _kill_now(self) -> None:
+        if self._stamp is not None:
+            self._stamp()
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def armed(self, step: int, phase: str, position: int | None = None,
               count: int | None = None) -> bool:
@@ -100,8 +107,9 @@ class FaultInjector:
 
     def fire(self, step: int, phase: str) -> None:
         """Kill this process now, the hard way."""
+        # The note travels first (an RPC of ~2 ms); the kill time is stamped after it.
         self._note(pb.FaultNote(step=step, phase=phase, killed_at=time.time()))
-        os.kill(os.getpid(), signal.SIGKILL)
+        self._kill_now()
 
     def slow_seconds(self, step: int) -> float:
         return sum(f.seconds for f in self._faults if f.step == step and f.phase == "slow")
@@ -123,4 +131,4 @@ class FaultInjector:
         """Kill from a timer thread, so the main thread is inside a blocking call when it lands."""
         note = pb.FaultNote(step=step, phase=phase, killed_at=time.time() + delay_s)
         self._note(note)
-        threading.Timer(delay_s, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        threading.Timer(delay_s, self._kill_now).start()
