@@ -1,30 +1,33 @@
 """Fault-tolerant cross-replica collectives: one gloo process group per generation.
 
-Why (measured, DESIGN.md section 1): a stopped peer keeps its sockets open, so
-nothing fails until the group timeout; gloo's ``abort()``/``shutdown()`` do not
-unblock an in-flight collective, and destroying a group with a collective still
-in flight hangs. What works in milliseconds is ``shutdown(SHUT_RDWR)`` on the
-group's connected TCP sockets from another thread: gloo's event loop sees the
-hang-up and fails the pending operation; a rendezvous blocked on a missing
-peer's key fails the same way when the store client socket is shut down.
+Why (measured, DESIGN.md section 1): a stopped peer keeps its sockets open, so nothing
+fails until the group timeout; gloo's ``abort()``/``shutdown()`` do not unblock an
+in-flight collective, and destroying a group with one in flight hangs. What works in
+milliseconds is ``shutdown(SHUT_RDWR)`` on the group's connected TCP sockets from
+another thread: gloo's event loop sees the hang-up and fails the pending operation;
+a rendezvous blocked on a missing peer's key fails likewise once the store client
+socket is shut down. A rendezvous can also wait with no socket at all (a gloo pair
+waiting for a stopped peer to connect to it), so connect() builds in a helper thread
+and abort() just stops waiting for it.
 
-Which sockets are ours: torch exposes neither the store client's nor gloo's
-socket fds, so ``connect()`` snapshots the process's socket inodes before it
-builds anything; every inet socket that appears while it runs belongs to this
-generation (store client, gloo listener, gloo pairs). Assumption: no other
-thread of the worker opens inet sockets during ``connect()`` (the local agent
-channel is a unix socket and is filtered out by family). Sockets are tracked by
-inode, not fd number, and re-checked with ``fstat`` on a dup'd fd, so an fd
-closed by gloo and reused by someone else is never touched.
+Which sockets are ours: torch exposes neither the store client's nor gloo's fds, so
+``connect()`` snapshots the process's socket inodes first; every inet socket that
+appears while it runs belongs to this generation (store client, gloo listener and
+pairs). Assumption: no other thread of the worker opens inet sockets meanwhile (the
+agent channel is a unix socket, filtered out by family). Sockets are tracked by
+inode, re-checked with ``fstat`` on a dup'd fd, so an fd closed by gloo and reused
+by someone else is never touched.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import ipaddress
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +44,6 @@ class CollectiveAborted(RuntimeError):
 @dataclass(frozen=True)
 class GroupSpec:
     """Everything needed to join one generation's process group."""
-
     generation: int
     """Membership generation; the store prefix is ``gen/{generation}/`` so generations never mix."""
     rank: int
@@ -58,12 +60,8 @@ class GroupSpec:
 
 def _socket_inodes() -> dict[int, int]:
     """Map socket inode -> fd for every socket fd of this process (any family)."""
-    found: dict[int, int] = {}
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return found
-    for name in names:
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
         try:
             link = os.readlink(f"/proc/self/fd/{name}")
         except OSError:  # closed meanwhile
@@ -73,35 +71,47 @@ def _socket_inodes() -> dict[int, int]:
     return found
 
 
-def _shutdown_socket(fd: int, inode: int) -> bool:
-    """shutdown(SHUT_RDWR) the socket behind ``fd`` if it still is inet socket ``inode``.
+def _shutdown_socket(fd: int, inode: int) -> None:
+    """shutdown(SHUT_RDWR) the socket behind ``fd`` if it still is connected inet socket
+    ``inode``.
 
     shutdown acts on the socket (shared by every fd that refers to it), so doing it
     through a dup is enough and leaves the owner's fd for the owner to close. Unix
     sockets (the agent channel) are never ours. The listening socket is skipped: it
-    carries no collective, and shutting it would break gloo's accept loop. Returns
-    True if a connected socket was shut down.
+    carries no collective, and an accept() error there is fatal in gloo's loop thread.
     """
     try:
         dup = os.dup(fd)
     except OSError:  # fd closed by gloo meanwhile
-        return False
+        return
     try:  # fstat: the fd number may have been reused by someone else since listed
         sock = socket.socket(fileno=dup) if os.fstat(dup).st_ino == inode else None
     except OSError:
         sock = None
     if sock is None:
         os.close(dup)
-        return False
+        return
     with sock:  # closes only the dup
-        if (sock.family not in (socket.AF_INET, socket.AF_INET6)
-                or sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)):
-            return False
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:  # not connected (yet / any more): nothing to unblock
-            return False
-        return True
+        if (sock.family in (socket.AF_INET, socket.AF_INET6)
+                and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # not connected (yet / any more): nothing to unblock
+                pass
+
+
+_BUILDERS: set[threading.Thread] = set()  # connect() helper threads still running
+
+
+@atexit.register
+def _join_builders_at_exit() -> None:
+    """Give abandoned connect() builders a bounded chance to finish before exit: a
+    daemon thread returning from c10d into Python after finalization began is torn
+    down by pthread_exit, which aborts the process ("terminate called without an
+    active exception", measured). One stuck in gloo just dies with the process."""
+    deadline = time.monotonic() + 2.0
+    for thread in list(_BUILDERS):
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def _is_loopback(host: str) -> bool:
@@ -145,22 +155,22 @@ class GenerationGroup:
 
         The build runs in a helper thread and this call waits for it *or* abort().
         Measured: a gloo pair whose peer published its address and then stopped
-        waits, socketless, for that peer to connect to our listener, so shutting
-        sockets cannot always unblock a rendezvous. An abandoned builder ends by
-        itself within timeout_s (sooner in the common case, as abort() shuts the
-        store socket it waits on) and then drops what it built.
+        waits, socketless, for that peer to connect to our listener (~5x timeout_s),
+        so shutting sockets cannot always unblock a rendezvous. An abandoned builder
+        drops what it built when it ends: within ms in the common case, where
+        abort() shut the store socket it waits on.
         """
         with self._lock:
             self._check()
             if self._before is not None:
                 raise RuntimeError("connect() may be called only once")
             self._before = set(_socket_inodes())
-        # Not a daemon: a daemon thread still inside gloo/c10d code when the
-        # interpreter exits is torn down by pthread_exit, which aborts the process
-        # ("terminate called without an active exception", measured). Exit waits
-        # for it instead: ms normally, at most timeout_s.
-        threading.Thread(target=self._build,
-                         name=f"gloo-connect-gen{self.spec.generation}").start()
+        # A daemon: a builder stuck in a socketless gloo wait lingers ~5x timeout_s
+        # (measured), which must not delay process exit; see _join_builders_at_exit.
+        builder = threading.Thread(target=self._build, daemon=True,
+                                   name=f"gloo-connect-gen{self.spec.generation}")
+        _BUILDERS.add(builder)
+        builder.start()
         self._wake.wait()
         self._check()  # aborted, closed, or the build failed
 
@@ -173,7 +183,7 @@ class GenerationGroup:
         try:
             store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False,
                                   timeout=timeout, wait_for_workers=False)
-            opts = dist.ProcessGroupGloo._Options()
+            opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in stubs
             opts._timeout = timeout
             # On loopback every peer is local: bind there and skip hostname lookup;
             # otherwise use gloo's default device (honours GLOO_SOCKET_IFNAME).
@@ -187,17 +197,18 @@ class GenerationGroup:
             # half-built store/group (and their sockets) alive.
             error = f"generation {spec.generation} connect failed: {e}"
         with self._lock:
-            if error is None and not (self._aborted or self._closed):
-                # Freeze ownership now, so sockets that other threads open later
-                # are never touched by abort().
-                assert self._before is not None
+            if self._owned is None and self._before is not None:
+                # Freeze ownership (also on failure), so sockets that other threads
+                # or newer generations open later are never touched by abort().
                 self._owned = {i for i in _socket_inodes() if i not in self._before}
+            if error is None and not (self._aborted or self._closed):
                 self._pg, self._store, store, pg = pg, store, None, None
             elif error is not None:
                 self._aborted = True
                 self._error = self._error or error
         self._wake.set()
         del pg, store  # an aborted or failed build is destroyed here, off the lock
+        _BUILDERS.discard(threading.current_thread())
 
     def allreduce_sum_(self, buffer: torch.Tensor) -> None:
         """In-place SUM allreduce of a contiguous CPU tensor.
@@ -214,7 +225,7 @@ class GenerationGroup:
             self._busy = True
         error: str | None = None
         try:
-            work = pg.allreduce([buffer], dist.AllreduceOptions())
+            work = pg.allreduce([buffer], dist.AllreduceOptions())  # type: ignore[attr-defined]
             del pg
             work.wait()  # no timeout here: gloo's own timeout fails the op cleanly
             del work
@@ -257,8 +268,8 @@ class GenerationGroup:
         """Drop every reference (group, store) so sockets are released; never hangs."""
         with self._lock:
             if self._busy or (self._before is not None and self._owned is None):
-                # An operation or build is in flight in another thread: destroying the
-                # group under it would hang (gloo joins its workers), so fail it first.
+                # An operation or build is in flight in another thread: fail it first
+                # (destroying a group with a collective in flight hangs).
                 self._aborted = True
                 self._sweep()
             self._closed = self._aborted = True
@@ -273,7 +284,7 @@ class RendezvousServer:
     """Hosts the rendezvous TCPStore that generation groups connect to (controller side)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
-        # wait_for_workers=False: the server never blocks waiting for clients.
+        # wait_for_workers=False: never block waiting for clients (controller side).
         self._store: dist.TCPStore | None = dist.TCPStore(
             host, port, is_master=True, wait_for_workers=False,
             timeout=datetime.timedelta(seconds=30))

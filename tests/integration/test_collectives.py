@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 WORKER_TIMEOUT_S = 20.0  # group safety-net timeout in the workers; tests must beat it
+pytestmark = pytest.mark.timeout(60)  # each test takes ~3-5 s; never hang CI
 
 
 # --------------------------------------------------------------------------- worker side
@@ -42,6 +43,7 @@ def _emit(ev: str, **kw: Any) -> None:
 def _worker(cfg: dict[str, Any]) -> None:
     import torch
 
+    from recover.trainer import collectives
     from recover.trainer.collectives import CollectiveAborted, GenerationGroup, GroupSpec
 
     torch.set_num_threads(1)
@@ -54,6 +56,7 @@ def _worker(cfg: dict[str, Any]) -> None:
                 t0 = time.monotonic()
                 group.abort()
                 _emit("aborted", call_s=time.monotonic() - t0)
+        os._exit(3)  # stdin closed: the test process is gone, do not linger
 
     threading.Thread(target=on_stdin, daemon=True).start()
 
@@ -85,7 +88,12 @@ def _worker(cfg: dict[str, Any]) -> None:
         _emit("raised", where="allreduce", msg=str(e)[:200], aborted=group.aborted)
     t0 = time.monotonic()
     group.close()
-    _emit("closed", close_s=time.monotonic() - t0)
+    close_s = time.monotonic() - t0
+    # White-box: every socket of the generation must be gone once close() returns
+    # (nothing, e.g. an exception's traceback, may keep the group alive).
+    owned = group._owned or set()
+    leaked = len(owned & set(collectives._socket_inodes()))
+    _emit("closed", close_s=close_s, owned=len(owned), leaked=leaked)
     if mode == "sum":
         return
 
@@ -149,6 +157,8 @@ class Worker:
         if self.proc.poll() is None:
             self.proc.kill()  # SIGKILL also ends a SIGSTOPped process
         self.proc.wait(timeout=10)
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
 
 
 @pytest.fixture
@@ -200,9 +210,10 @@ def _survivors_and_victim(server: Any, spawn: Any, n: int) -> tuple[list[Worker]
 def _check_rebuild(survivors: list[Worker]) -> None:
     n = len(survivors)
     for w in survivors:
-        close_s = w.expect("closed")["close_s"]
-        print(f"close() of the failed group: {close_s * 1e3:.1f} ms")
-        assert close_s < 2.0
+        got = w.expect("closed")
+        print(f"close() of the failed group: {got['close_s'] * 1e3:.1f} ms")
+        assert got["close_s"] < 2.0
+        assert got["owned"] >= 2 and got["leaked"] == 0, got  # store client + gloo
     for w in survivors:
         got = w.expect("sum2")
         assert got["value"] == n * (n + 1) / 2 and got["uniform"]
@@ -263,6 +274,34 @@ def test_abort_during_blocked_connect(server: Any, spawn: Any) -> None:
         assert w.proc.wait(timeout=10) == 0
 
 
+def test_abort_connect_to_unreachable_store() -> None:
+    """No store listening (its host died): TCPStore retries with no socket to shut
+    down; connect() must still raise as soon as abort() is called."""
+    import socket
+
+    from recover.trainer import collectives
+    from recover.trainer.collectives import CollectiveAborted, GenerationGroup, GroupSpec
+
+    with socket.socket() as s:  # a free port that nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    group = GenerationGroup(GroupSpec(1, 0, 2, "127.0.0.1", port, timeout_s=1.5))
+    timer = threading.Timer(0.3, group.abort)
+    timer.start()
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveAborted):
+        group.connect()
+    elapsed = time.monotonic() - t0
+    print(f"unreachable store: connect raised {(elapsed - 0.3) * 1e3:.1f} ms after abort")
+    assert elapsed < 1.5
+    timer.join()
+    group.close()
+    # White-box: the abandoned builder keeps retrying until timeout_s, then ends.
+    for builder in list(collectives._BUILDERS):
+        builder.join(timeout=10)
+    assert not collectives._BUILDERS
+
+
 def test_rendezvous_server_free_port() -> None:
     import datetime
 
@@ -285,4 +324,9 @@ def test_rendezvous_server_free_port() -> None:
 
 
 if __name__ == "__main__":
+    import ctypes
+
+    # PR_SET_PDEATHSIG(SIGKILL): the kernel kills this worker if the test process
+    # dies, even while it is SIGSTOPped, so no run can leak processes.
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
     _worker(json.loads(sys.argv[1]))

@@ -242,3 +242,121 @@ def test_parse_address(text, ok):
     else:
         with pytest.raises(UsageError, match="is not HOST:PORT"):
             parse_address(text)
+
+
+# ---------------------------------------------------------------- hang/slow phases, policy, reduce
+
+@pytest.mark.parametrize(("text", "expected", "canonical"), [
+    pytest.param("step=2,replica=1,phase=stop",
+                 pb.FaultSpec(step=2, replica=1, phase="stop", microbatch=-1, seconds=0.0),
+                 "step=2,replica=1,phase=stop", id="stop"),
+    pytest.param("step=2,replica=1,phase=spin,microbatch=3",
+                 pb.FaultSpec(step=2, replica=1, phase="spin", microbatch=3, seconds=0.0),
+                 "step=2,replica=1,phase=spin,microbatch=3", id="spin"),
+    pytest.param("phase=deadlock,step=0,replica=0",
+                 pb.FaultSpec(step=0, replica=0, phase="deadlock", microbatch=-1, seconds=0.0),
+                 "step=0,replica=0,phase=deadlock", id="deadlock"),
+    pytest.param("step=5,replica=0,phase=slow",
+                 pb.FaultSpec(step=5, replica=0, phase="slow", microbatch=-1, seconds=1.0),
+                 "step=5,replica=0,phase=slow,seconds=1.0", id="slow-default-1s"),
+    pytest.param("step=5,replica=0,phase=slow,seconds=0.25",
+                 pb.FaultSpec(step=5, replica=0, phase="slow", microbatch=-1, seconds=0.25),
+                 "step=5,replica=0,phase=slow,seconds=0.25", id="slow-seconds"),
+    pytest.param("seconds=3,phase=slow,replica=1,step=4,microbatch=0",
+                 pb.FaultSpec(step=4, replica=1, phase="slow", microbatch=0, seconds=3.0),
+                 "step=4,replica=1,phase=slow,seconds=3.0,microbatch=0", id="slow-any-order"),
+    pytest.param("step=5,replica=0,phase=slow,seconds=0",
+                 pb.FaultSpec(step=5, replica=0, phase="slow", microbatch=-1, seconds=0.0),
+                 "step=5,replica=0,phase=slow,seconds=0.0", id="slow-zero"),
+    pytest.param("step=5,replica=0,phase=slow,seconds=0.1",
+                 pb.FaultSpec(step=5, replica=0, phase="slow", microbatch=-1, seconds=0.1),
+                 "step=5,replica=0,phase=slow,seconds=0.1", id="slow-every-digit"),
+])
+def test_hang_and_slow_phases_parse_and_round_trip(text, expected, canonical):
+    spec = parse_fault_spec(text)
+    assert spec == expected
+    assert format_fault_spec(spec) == canonical
+    assert parse_fault_spec(format_fault_spec(spec)) == spec
+
+
+@pytest.mark.parametrize("phase", ["stop", "spin", "deadlock", "slow"])
+def test_new_phases_round_trip_through_job_to_args(phase):
+    job = parse_job(["-R", "2", "-T", "3", "--job-id", "j",
+                     "--kill", f"step=1,replica=1,phase={phase},microbatch=0"])
+    assert [f.phase for f in job.faults] == [phase]
+    assert parse_job(job_to_args(job)) == job
+
+
+@pytest.mark.parametrize(("text", "phrase"), [
+    pytest.param("step=1,replica=0,phase=stop,seconds=2", "seconds= goes with phase=slow only",
+                 id="seconds-with-stop"),
+    pytest.param("step=1,replica=0,phase=spin,seconds=0", "seconds= goes with phase=slow only",
+                 id="seconds-with-spin"),
+    pytest.param("step=1,replica=0,phase=deadlock,seconds=1", "seconds= goes with phase=slow only",
+                 id="seconds-with-deadlock"),
+    pytest.param("step=1,replica=0,phase=forward,seconds=1", "seconds= goes with phase=slow only",
+                 id="seconds-with-crash-phase"),
+    pytest.param("step=1,replica=0,phase=slow,seconds=-1", "must not be negative",
+                 id="negative-seconds"),
+    pytest.param("step=1,replica=0,phase=slow,seconds=-0.001", "must not be negative",
+                 id="slightly-negative-seconds"),
+    pytest.param("step=1,replica=0,phase=slow,seconds=soon", "seconds a number",
+                 id="non-numeric-seconds"),
+    pytest.param("step=1,replica=0,phase=slow,seconds=nan", "malformed --kill", id="nan-seconds"),
+    pytest.param("step=1,replica=0,phase=slow,seconds=inf", "malformed --kill", id="inf-seconds"),
+    pytest.param("step=1,replica=0,phase=slow,seconds=1,seconds=2", "'seconds' given twice",
+                 id="seconds-twice"),
+])
+def test_fault_seconds_rejected(text, phrase):
+    with pytest.raises(FaultSpecError, match="malformed --kill") as info:
+        parse_fault_spec(text)
+    assert phrase in str(info.value)
+
+
+def test_reduce_exact_and_policy_drop_round_trip():
+    job = parse_job(["--reduce", "exact", "--policy", "drop", "--hang-timeout", "0.75",
+                     "--hang-factor", "3.5", "--job-id", "j"])
+    assert (job.reduce, job.policy, job.hang_timeout_s, job.hang_factor) == ("exact", "drop",
+                                                                            0.75, 3.5)
+    again = parse_job(job_to_args(job))
+    assert again == job
+    assert again.SerializeToString(deterministic=True) == job.SerializeToString(deterministic=True)
+    defaults = parse_job(["--job-id", "j"])
+    assert (defaults.reduce, defaults.policy, defaults.hang_timeout_s,
+            defaults.hang_factor) == ("fast", "recover", 2.0, 10.0)
+    assert parse_job(job_to_args(defaults)) == defaults
+
+
+def test_job_to_args_with_unset_policy_means_recover():
+    job = parse_job(["--job-id", "j"])
+    job.policy = ""
+    assert parse_job(job_to_args(job)).policy == "recover"
+
+
+@pytest.mark.parametrize(("argv", "phrase"), [
+    pytest.param(["--hang-timeout", "0"], "--hang-timeout must be a positive number, got 0.0",
+                 id="zero-hang-timeout"),
+    pytest.param(["--hang-timeout", "inf"], "--hang-timeout must be a positive number, got inf",
+                 id="inf-hang-timeout"),
+    pytest.param(["--hang-timeout", "nan"], "--hang-timeout must be a positive number",
+                 id="nan-hang-timeout"),
+    pytest.param(["--hang-factor", "-1"], "--hang-factor must be a positive number, got -1.0",
+                 id="negative-hang-factor"),
+    pytest.param(["--reduce", "exactish"], "argument --reduce: invalid choice: 'exactish'",
+                 id="bad-reduce"),
+    pytest.param(["--policy", "shrink"], "argument --policy: invalid choice: 'shrink'",
+                 id="bad-policy"),
+    pytest.param(["--kill", "step=1,replica=0,phase=stop,seconds=2"],
+                 "seconds= goes with phase=slow only", id="kill-seconds-with-stop"),
+    pytest.param(["--kill", "step=1,replica=0,phase=slow,seconds=-2"], "must not be negative",
+                 id="kill-negative-seconds"),
+])
+@pytest.mark.parametrize("command", ["run", "controller"])
+def test_new_flags_usage_errors_exit_2_with_one_line(capsys, tmp_path, command, argv, phrase):
+    argv = [command, *argv]
+    if command == "run":
+        argv += ["--out", str(tmp_path / "out"), "--quiet"]
+    code, out, err = run_main(capsys, argv)
+    assert code == 2
+    assert out == ""
+    assert_one_line(err, phrase)

@@ -246,3 +246,99 @@ def test_successive_reassignments_always_cover_every_microbatch_once():
             plan, members = new, survivors
             plans_checked += 1
     assert plans_checked > 300  # the loop really exercised reassignments
+
+
+# ---------------------------------------------------------------- drop_lost (ablation)
+
+from recover.controller.policy import drop_lost  # noqa: E402
+
+DROP_ROWS = [
+    pytest.param(
+        {0: (0, 1), 1: (2, 3), 2: (4, 5), 3: (6, 7)}, [1], [0, 2, 3],
+        {0: (0, 1), 2: (4, 5), 3: (6, 7)},
+        "drop policy: replicas [1] lost; their 2 microbatches [2, 3] are dropped from this step",
+        id="one-lost",
+    ),
+    pytest.param(
+        {0: (0, 1, 2), 1: (3, 4, 5), 2: (6, 7)}, [2, 0], [1],
+        {1: (3, 4, 5)},
+        "replicas [0, 2] lost; their 5 microbatches [0, 1, 2, 6, 7] are dropped",
+        id="two-lost-sorted",
+    ),
+    pytest.param(
+        {0: (0, 1), 1: (), 2: (2, 3)}, [1], [0, 2],
+        {0: (0, 1), 2: (2, 3)},
+        "their 0 microbatches [] are dropped",
+        id="lost-replica-had-nothing",
+    ),
+    pytest.param(
+        {0: (0, 1), 1: (2, 3)}, [5], [0, 1],
+        {0: (0, 1), 1: (2, 3)},
+        "replicas [5] lost; their 0 microbatches",
+        id="lost-replica-not-in-plan",
+    ),
+    pytest.param(
+        {3: (0, 4), 1: (1, 5), 2: (2, 3)}, [1], [3, 2],
+        {3: (0, 4), 2: (2, 3)},
+        "[1, 5] are dropped",
+        id="survivor-order-kept-non-contiguous-ids",
+    ),
+]
+
+
+@pytest.mark.parametrize(("current", "lost", "survivors", "expected", "reason"), DROP_ROWS)
+def test_drop_lost(current, lost, survivors, expected, reason):
+    before = {r: tuple(ids) for r, ids in current.items()}
+    decision = drop_lost(current, lost, survivors)
+    assert decision.assignment == expected
+    assert list(decision.assignment) == list(survivors)
+    assert reason in decision.reason, decision.reason
+    assert current == before  # the input plan is not mutated
+    # The dropped plan covers exactly what the survivors had: valid against those ids only.
+    kept = [mb for r in survivors for mb in current.get(r, ())]
+    assert check_plan(decision.assignment, 8, expected_ids=kept) is None
+    assert drop_lost(current, lost, survivors) == decision
+
+
+@pytest.mark.parametrize(("current", "lost"), [
+    pytest.param({0: (0, 1), 1: (2, 3)}, [0, 1], id="all-lost"),
+    pytest.param({}, [], id="empty"),
+])
+def test_drop_lost_without_survivors_raises(current, lost):
+    with pytest.raises(PolicyError, match="no survivor left"):
+        drop_lost(current, lost, [])
+
+
+def test_drop_then_check_plan_without_expected_ids_reports_missing():
+    decision = drop_lost({0: (0, 1), 1: (2, 3)}, [1], [0])
+    problem = check_plan(decision.assignment, 4)
+    assert problem is not None and "missing [2, 3]" in problem
+
+
+CHECK_EXPECTED_ROWS = [
+    pytest.param({0: (0, 1), 2: (4, 5)}, 6, [0, 1, 4, 5], None, id="exact-cover-of-expected"),
+    pytest.param({0: (5, 0), 2: (1, 4)}, 6, [4, 5, 1, 0], None, id="order-does-not-matter"),
+    pytest.param({0: ()}, 6, [], None, id="empty-expected-empty-plan"),
+    pytest.param({0: (0, 1), 2: (4,)}, 6, [0, 1, 4, 5], "missing [5]", id="missing"),
+    pytest.param({0: (0, 1), 2: (4, 5, 5)}, 6, [0, 1, 4, 5], "duplicated [5]", id="duplicated"),
+    pytest.param({0: (0, 1, 2), 2: (4, 5)}, 6, [0, 1, 4, 5], ": [2]", id="in-range-but-not-expected"),
+    pytest.param({0: (0, 1), 2: (4, 5, 9)}, 6, [0, 1, 4, 5], "outside 0..5: [9]",
+                 id="beyond-M"),
+    pytest.param({0: (0, 1, 2, 3, 4, 5)}, 6, [0, 1, 4, 5], "plan covers the wrong microbatches",
+                 id="full-plan-against-dropped-expectation"),
+]
+
+
+@pytest.mark.parametrize(("assignment", "m", "expected_ids", "reason"), CHECK_EXPECTED_ROWS)
+def test_check_plan_with_expected_ids(assignment, m, expected_ids, reason):
+    problem = check_plan(assignment, m, expected_ids=expected_ids)
+    if reason is None:
+        assert problem is None
+    else:
+        assert problem is not None and reason in problem, problem
+
+
+def test_check_plan_expected_ids_none_means_all():
+    assert check_plan({0: (0, 1, 2)}, 3, expected_ids=None) is None
+    assert check_plan({0: (0, 1)}, 3, expected_ids=None) is not None
+    assert check_plan({0: (0, 1)}, 3, expected_ids=[0, 1]) is None

@@ -1,0 +1,170 @@
+"""`recover verify` (cli/verify.py): comparing two runs' ledgers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from recover.cli.jobargs import UsageError
+from recover.cli.main import main
+from recover.cli.verify import compare, load_summary
+
+STEPS = 4
+
+
+def summary(steps: int = STEPS) -> dict:
+    return {
+        "job_id": "j",
+        "steps_committed": steps,
+        "microbatches_per_step": [16] * steps,
+        "sample_digest_per_step": [f"{i:02d}" + "ab" * 31 for i in range(steps)],
+        "param_sha256_per_step": [f"{i:02d}" + "cd" * 31 for i in range(steps)],
+        "loss_per_step": [4.0 - 0.25 * i for i in range(steps)],
+    }
+
+
+def altered(key: str, step: int, value) -> dict:
+    s = summary()
+    s[key] = list(s[key])
+    s[key][step] = value
+    return s
+
+
+def test_identical():
+    verdict = compare(summary(), summary())
+    assert verdict.identical
+    assert verdict.first_difference is None
+    assert verdict.message.startswith(f"identical: {STEPS} steps")
+
+
+DIFF_ROWS = [
+    pytest.param("microbatches_per_step", 2, 12, "microbatches 16 vs 12", id="microbatches"),
+    pytest.param("sample_digest_per_step", 1, "ff" * 32, "sample digest 01abababab", id="samples"),
+    pytest.param("param_sha256_per_step", 3, "ee" * 32, "parameters 03cdcdcdcdcd vs eeeeeeeeeeee",
+                 id="parameters"),
+    pytest.param("loss_per_step", 0, 4.0000001, "loss 4.0 vs 4.0000001", id="loss"),
+    pytest.param("param_sha256_per_step", 0, "00" + "cd" * 30 + "ce", "parameters",
+                 id="parameters-differ-only-in-last-char"),
+]
+
+
+@pytest.mark.parametrize(("key", "step", "value", "phrase"), DIFF_ROWS)
+def test_first_difference(key, step, value, phrase):
+    verdict = compare(summary(), altered(key, step, value))
+    assert not verdict.identical
+    assert verdict.first_difference == step
+    assert verdict.message.startswith(f"differ: first at step {step}: ")
+    assert phrase in verdict.message, verdict.message
+    # Symmetric in which run is first.
+    assert compare(altered(key, step, value), summary()).first_difference == step
+
+
+def test_earliest_step_wins_and_fields_in_order():
+    b = altered("loss_per_step", 1, 9.0)
+    b["param_sha256_per_step"][3] = "x"
+    assert compare(summary(), b).first_difference == 1
+    c = altered("param_sha256_per_step", 2, "y")
+    c["microbatches_per_step"][2] = 3
+    verdict = compare(summary(), c)
+    assert verdict.first_difference == 2 and "microbatches" in verdict.message
+
+
+def test_loss_rtol():
+    b = altered("loss_per_step", 2, 3.5 * (1 + 1e-6))
+    assert not compare(summary(), b).identical
+    assert compare(summary(), b, loss_rtol=1e-5).identical
+    assert not compare(summary(), b, loss_rtol=1e-7).identical
+    # rtol never hides the other fields.
+    c = altered("sample_digest_per_step", 2, "zz")
+    assert not compare(summary(), c, loss_rtol=1.0).identical
+
+
+@pytest.mark.parametrize(("a", "b"), [(STEPS, STEPS - 2), (STEPS - 1, STEPS)])
+def test_different_step_counts(a, b):
+    verdict = compare(summary(a), summary(b))
+    assert not verdict.identical
+    assert verdict.first_difference is None
+    assert verdict.message == f"differ: {a} vs {b} committed steps (the first {min(a, b)} agree)"
+
+
+def test_different_step_counts_but_earlier_difference_wins():
+    short = summary(2)
+    short["microbatches_per_step"][1] = 15
+    verdict = compare(summary(), short)
+    assert verdict.first_difference == 1
+
+
+def test_empty_runs_are_identical():
+    assert compare(summary(0), summary(0)).identical
+
+
+# ---------------------------------------------------------------- files and the CLI
+
+def write(path, data) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_load_summary_file_and_directory(tmp_path):
+    write(tmp_path / "run" / "summary.json", summary())
+    assert load_summary(str(tmp_path / "run")) == summary()
+    assert load_summary(str(tmp_path / "run" / "summary.json")) == summary()
+
+
+@pytest.mark.parametrize("kind", ["missing-file", "empty-dir", "not-json", "binary"])
+def test_load_summary_bad_input(tmp_path, kind):
+    if kind == "missing-file":
+        path = tmp_path / "nope.json"
+    elif kind == "empty-dir":
+        path = tmp_path / "run"
+        path.mkdir()
+    elif kind == "not-json":
+        path = tmp_path / "summary.json"
+        path.write_text("this is not json {")
+    else:
+        path = tmp_path / "summary.json"
+        path.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(UsageError) as info:
+        load_summary(str(path))
+    message = str(info.value)
+    assert message.startswith("recover verify: ")
+    assert "\n" not in message
+
+
+def run_verify(capsys, argv):
+    code = main(["verify", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_cli_exit_codes(tmp_path, capsys):
+    a = write(tmp_path / "a" / "summary.json", summary())
+    same = write(tmp_path / "same" / "summary.json", summary())
+    other = write(tmp_path / "b" / "summary.json", altered("param_sha256_per_step", 1, "x" * 64))
+    close = write(tmp_path / "c" / "summary.json", altered("loss_per_step", 1, 3.75 * (1 + 1e-9)))
+
+    code, out, err = run_verify(capsys, [str(tmp_path / "a"), same])
+    assert (code, err) == (0, "")
+    assert out.startswith("identical: ") and out.count("\n") == 1
+
+    code, out, err = run_verify(capsys, [a, other])
+    assert (code, err) == (1, "")
+    assert out.startswith("differ: first at step 1: parameters") and out.count("\n") == 1
+
+    assert run_verify(capsys, [a, close])[0] == 1
+    assert run_verify(capsys, [a, close, "--loss-rtol", "1e-6"])[0] == 0
+
+    code, out, err = run_verify(capsys, [a, str(tmp_path / "missing")])
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("recover verify: no run at ")
+
+    (tmp_path / "junk.json").write_text("[1, 2")
+    code, out, err = run_verify(capsys, [str(tmp_path / "junk.json"), a])
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "is not a summary.json" in err
+
+    code, out, err = run_verify(capsys, [a])
+    assert code == 2 and out == "" and err.count("\n") == 1
