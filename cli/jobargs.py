@@ -44,7 +44,7 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     job.add_argument("--seed", type=int, default=0, help="seed of init, data and dropout (default 0)")
     job.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     job.add_argument("--reduce", choices=["fast", "exact"], default="fast",
-                     help="gradient reduction: fast = float32 sum (default); exact = int64 fixed "
+                     help="gradient reduction: fast = float32 sum (default); exact = integer fixed "
                           "point, bitwise identical to the failure-free run")
     job.add_argument("--policy", choices=["recover", "drop"], default="recover",
                      help="what happens to a lost replica's microbatches: recover = survivors "

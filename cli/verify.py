@@ -8,6 +8,7 @@ where the runs first part. Exit 0: identical; 1: they differ; 2: bad input.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,21 +24,59 @@ class Verdict:
     """The first step that differs (None when identical or when only lengths differ)."""
 
 
+LEDGER_KEYS = ("microbatches_per_step", "sample_digest_per_step", "param_sha256_per_step",
+               "loss_per_step")
+"""Per-step lists a summary must hold, one entry per committed step."""
+
+
 def load_summary(path: str) -> dict[str, Any]:
+    """Read and shape-check a run's summary.json; UsageError (one line) when it is not one."""
     candidate = Path(path)
     if candidate.is_dir():
         candidate = candidate / "summary.json"
     try:
-        return json.loads(candidate.read_text())
+        summary = json.loads(candidate.read_text())
     except FileNotFoundError:
         raise UsageError(f"recover verify: no run at {path} (expected a run directory or "
                          "its summary.json)") from None
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise UsageError(f"recover verify: {candidate} is not a summary.json") from None
+    except OSError as error:
+        raise UsageError(f"recover verify: cannot read {candidate}: {error.strerror}") from None
+    problem = _shape_problem(summary)
+    if problem:
+        raise UsageError(f"recover verify: {candidate} is not a run summary: {problem}")
+    return summary
+
+
+def _shape_problem(summary: Any) -> str | None:
+    if not isinstance(summary, dict):
+        return f"expected a JSON object, found {type(summary).__name__}"
+    steps = summary.get("steps_committed")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+        return "no steps_committed count"
+    for key in LEDGER_KEYS:
+        values = summary.get(key)
+        if not isinstance(values, list):
+            return f"no {key} list"
+        if len(values) < steps:
+            return f"{key} has {len(values)} entries for {steps} committed steps"
+    return None
 
 
 def _short(value: Any) -> str:
     return value[:12] if isinstance(value, str) else str(value)
+
+
+def _losses_agree(a: float | None, b: float | None, rtol: float) -> bool:
+    """Symmetric relative tolerance; NaN never agrees (it means a run diverged)."""
+    if a is None or b is None:  # json has no NaN of its own; a missing loss is not a match
+        return a is b
+    if math.isnan(a) or math.isnan(b):
+        return False
+    if a == b:  # covers equal infinities, which the difference below cannot
+        return True
+    return abs(a - b) <= rtol * max(abs(a), abs(b))
 
 
 def compare(a: dict[str, Any], b: dict[str, Any], loss_rtol: float = 0.0) -> Verdict:
@@ -55,7 +94,7 @@ def compare(a: dict[str, Any], b: dict[str, Any], loss_rtol: float = 0.0) -> Ver
                 return Verdict(False, f"differ: first at step {step}: {what} "
                                       f"{_short(left)} vs {_short(right)}", step)
         la, lb = a["loss_per_step"][step], b["loss_per_step"][step]
-        if abs(la - lb) > loss_rtol * abs(la):
+        if not _losses_agree(la, lb, loss_rtol):
             return Verdict(False, f"differ: first at step {step}: loss {la!r} vs {lb!r}", step)
     if a["steps_committed"] != b["steps_committed"]:
         return Verdict(False, f"differ: {a['steps_committed']} vs {b['steps_committed']} committed "
@@ -65,6 +104,8 @@ def compare(a: dict[str, Any], b: dict[str, Any], loss_rtol: float = 0.0) -> Ver
 
 
 def main(run_a: str, run_b: str, loss_rtol: float) -> int:
+    if not (loss_rtol >= 0.0 and math.isfinite(loss_rtol)):
+        raise UsageError(f"recover verify: --loss-rtol must be a finite number >= 0, got {loss_rtol}")
     verdict = compare(load_summary(run_a), load_summary(run_b), loss_rtol)
     print(verdict.message)
     return 0 if verdict.identical else 1

@@ -123,4 +123,8 @@ class ProgressBeacon:
         struct.pack_into("<d", self._map, 40, time.time())
 
     def close(self) -> None:
+        """Stop beating and unmap; the watchdog then sees the beat age grow (the worker is exiting)."""
         self._stop.set()
+        self._thread.join(timeout=2 * BEAT_PERIOD_S)
+        if not self._thread.is_alive():  # never unmap under a writer
+            self._map.close()

@@ -380,13 +380,14 @@ class Coordinator:
         a side message: it reuses fencing, so a member whose allreduce failed
         while others saw the overflow cannot end up on a different scale.
         """
-        self.scale_epoch += 1
+        overflowed = max(r.overflow for r in reports)
+        redo = policy.overflow_redo(self.step, self.scale_epoch, overflowed)
+        if not redo.redo:
+            await self._fail(redo.reason)
+            return
+        self.scale_epoch = redo.scale_epoch
         self.redos += 1
-        overflow = max(r.overflow for r in reports)
-        decision = policy.PlanDecision(
-            dict(self.plan), f"exact reduction: {overflow} microbatches overflowed the predicted "
-            f"scale; redo step {self.step} at scale epoch {self.scale_epoch}")
-        await self._new_generation(list(self.members), decision)
+        await self._new_generation(list(self.members), policy.PlanDecision(dict(self.plan), redo.reason))
 
     async def _maybe_finish(self) -> None:
         if self.state is not JobState.RUNNING or self.step < self.job.steps:

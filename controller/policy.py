@@ -104,8 +104,11 @@ def drop_lost(
     """
     if not survivors:
         raise PolicyError(f"replicas {sorted(lost)} lost and no survivor left")
+    unknown = [r for r in survivors if r not in current]
+    if unknown:
+        raise PolicyError(f"survivors {unknown} have no assignment in the current plan")
     dropped = sorted(mb for r in lost for mb in current.get(r, ()))
-    assignment = {r: tuple(current.get(r, ())) for r in survivors}
+    assignment = {r: tuple(current[r]) for r in survivors}
     reason = (f"drop policy: replicas {sorted(lost)} lost; their {len(dropped)} microbatches "
               f"{dropped} are dropped from this step")
     return PlanDecision(assignment, reason)
@@ -124,6 +127,39 @@ def check_plan(assignment: Mapping[int, Sequence[int]], global_microbatches: int
     expected = set(expected_list)
     missing = sorted(expected - set(seen))
     duplicated = sorted({mb for mb in seen if seen.count(mb) > 1})
-    outside = sorted({mb for mb in seen if mb not in expected})
+    out_of_range = sorted({mb for mb in seen if not 0 <= mb < global_microbatches})
+    unplanned = sorted({mb for mb in seen if mb not in expected and 0 <= mb < global_microbatches})
     return (f"plan covers the wrong microbatches: missing {missing}, duplicated {duplicated}"
-            + (f", outside 0..{global_microbatches - 1}: {outside}" if outside else ""))
+            + (f", outside 0..{global_microbatches - 1}: {out_of_range}" if out_of_range else "")
+            + (f", not planned this step: {unplanned}" if unplanned else ""))
+
+MAX_SCALE_EPOCHS = 3
+"""Exact reduction: redos of one step before giving up (each lowers the scale by 2**16)."""
+
+
+@dataclass(frozen=True)
+class RedoDecision:
+    redo: bool
+    """True: redo the step at `scale_epoch`; False: the job must fail."""
+    scale_epoch: int
+    reason: str
+
+
+def overflow_redo(step: int, scale_epoch: int, overflowed: int,
+                  max_epochs: int = MAX_SCALE_EPOCHS) -> RedoDecision:
+    """Whether a step whose exact reduction overflowed is redone at a lower scale.
+
+    A finite gradient that outgrew the predicted scale fits after one redo
+    (each lowers the scale by 2**16, on top of 2**10 headroom). One that still does not fit
+    after `max_epochs` is non-finite (NaN/inf) or absurdly large: redoing it
+    forever would hang the job, so it fails with a reason a user can act on.
+    """
+    if scale_epoch >= max_epochs:
+        return RedoDecision(False, scale_epoch,
+                            f"exact reduction: {overflowed} microbatches of step {step} still "
+                            f"overflow after {scale_epoch} rescalings; "
+                            "the gradient is non-finite (NaN/inf) or diverged: lower the learning "
+                            "rate or check the data")
+    return RedoDecision(True, scale_epoch + 1,
+                        f"exact reduction: {overflowed} microbatches overflowed the predicted "
+                        f"scale; redo step {step} at scale epoch {scale_epoch + 1}")

@@ -62,8 +62,10 @@ def parse_fault_spec(text: str) -> pb.FaultSpec:
     except ValueError:
         raise FaultSpecError(f"malformed --kill {text!r}: step, replica and microbatch "
                              "must be integers, seconds a number") from None
-    if step < 0 or replica < 0 or microbatch < -1 or not 0 <= seconds < 3600:
+    if step < 0 or replica < 0 or microbatch < -1:
         raise FaultSpecError(f"malformed --kill {text!r}: values must not be negative")
+    if not 0 <= seconds < 3600:  # also refuses nan and inf
+        raise FaultSpecError(f"malformed --kill {text!r}: seconds must be in [0, 3600)")
     if "seconds" in fields and fields["phase"] != "slow":
         raise FaultSpecError(f"malformed --kill {text!r}: seconds= goes with phase=slow only")
     return pb.FaultSpec(step=step, replica=replica, phase=fields["phase"], microbatch=microbatch,

@@ -43,6 +43,9 @@ EPOCH_STEP_BITS = 16
 LOSS_SCALE_BITS = 32
 """Fixed-point scale of the per-microbatch loss (losses are O(1..10); M up to 2**16)."""
 EXPONENT_RANGE = (-60, 120)
+"""Bounds of a predicted per-tensor scale exponent."""
+MIN_EXPONENT = -126
+"""Smallest scale exponent after redos (float32's smallest normal power of two)."""
 
 
 @dataclass
@@ -113,7 +116,7 @@ class FastAccumulator:
 
 
 class ExactAccumulator:
-    """Int64 fixed-point accumulation with a per-tensor power-of-two scale."""
+    """Fixed-point accumulation (integers held exactly in float64), power-of-two scale per tensor."""
 
     def __init__(self, grads: FlatGradients, global_microbatches: int) -> None:
         self.grads = grads
@@ -138,7 +141,9 @@ class ExactAccumulator:
     def _scale_vector(self) -> torch.Tensor:
         # float32 is enough: multiplying by a power of two only shifts the exponent,
         # so g * 2**e and its rounding are exact.
-        parts = [torch.full((n,), 2.0 ** (e - EPOCH_STEP_BITS * self.scale_epoch), dtype=torch.float32)
+        # Clamped to float32's normal range: a lower scale would flush gradients to zero.
+        parts = [torch.full((n,), 2.0 ** max(e - EPOCH_STEP_BITS * self.scale_epoch, MIN_EXPONENT),
+                            dtype=torch.float32)
                  for n, e in zip(self.grads.sizes, self._base_exponents, strict=True)]
         return torch.cat(parts)
 
@@ -159,8 +164,8 @@ class ExactAccumulator:
         # Preallocated buffers: this runs once per microbatch on the whole model.
         scaled = torch.mul(self.grads.flat, self._scale, out=self._scaled)
         low, high = torch.aminmax(scaled)  # one pass; vector_norm(inf) was 20x slower here
-        peak = max(-float(low), float(high))
-        if not peak < self._limit:  # also catches inf/nan
+        # Written so that a NaN in either bound fails the test: NaN/inf count as overflow.
+        if not (-self._limit < float(low) and float(high) < self._limit):
             self.overflow += 1
         else:
             # Widen first: an in-place float64 += float32 takes a slow mixed-type path (5x).
@@ -183,8 +188,10 @@ class ExactAccumulator:
         """Predict the next step's scales from this step's (replica-independent) mean gradient."""
         exponents = []
         offset = 0
-        for n in self.grads.sizes:
-            exponents.append(self._exponent(float(mean_grads[offset:offset + n].abs().max())))
+        for n, previous in zip(self.grads.sizes, self._base_exponents, strict=True):
+            peak = float(mean_grads[offset:offset + n].abs().max()) if n else 0.0
+            # A non-finite peak has no meaningful scale: keep the previous prediction.
+            exponents.append(self._exponent(peak) if math.isfinite(peak) else previous)
             offset += n
         self._base_exponents = exponents
         self.scale_epoch = 0

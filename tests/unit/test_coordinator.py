@@ -569,3 +569,30 @@ async def test_resumed_from_every_member_sets_recovered_at():
     # A later resume in the same generation does not move the recorded time.
     await h.coord.resumed(0, pb.Resumed(generation=2, step=0, at=1020.0))
     assert failure.recovered_at == 1011.5 and len(h.events("recovered")) == 1
+
+
+@scenario
+async def test_overflow_redoes_the_step_then_fails_instead_of_looping():
+    """A gradient that never fits (NaN/inf) must end the job, not redo it forever."""
+    h = Harness(make_job(replicas=2, m=4))
+    await h.start()
+    for epoch in range(1, 4):
+        for replica in h.coord.members:
+            await h.coord.reduced(replica, pb.Reduced(
+                **{**_fields(h.reduced_msg(replica)), "overflow": 1}))
+        assert h.coord.state is JobState.RUNNING
+        assert (h.coord.scale_epoch, h.coord.step) == (epoch, 0)
+        generation = h.messages("generation")[-1][1]
+        assert generation.plan.scale_epoch == epoch, "the redo must carry the lower scale"
+    assert not h.messages("commit")
+    for replica in h.coord.members:
+        await h.coord.reduced(replica, pb.Reduced(
+            **{**_fields(h.reduced_msg(replica)), "overflow": 1}))
+    assert h.coord.state is JobState.FAILED
+    assert "still overflow after 3 rescalings" in h.coord.reason
+    assert "non-finite" in h.coord.reason
+    assert not h.messages("commit") and await h.stored_steps() == []
+
+
+def _fields(message: pb.Reduced) -> dict[str, Any]:
+    return {f.name: v for f, v in message.ListFields()}

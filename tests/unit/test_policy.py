@@ -10,7 +10,13 @@ import random
 
 import pytest
 
-from recover.controller.policy import PolicyError, check_plan, reassign_lost, uniform_plan
+from recover.controller.policy import (
+    PolicyError,
+    check_plan,
+    overflow_redo,
+    reassign_lost,
+    uniform_plan,
+)
 
 # ---------------------------------------------------------------- uniform_plan
 
@@ -321,7 +327,8 @@ CHECK_EXPECTED_ROWS = [
     pytest.param({0: ()}, 6, [], None, id="empty-expected-empty-plan"),
     pytest.param({0: (0, 1), 2: (4,)}, 6, [0, 1, 4, 5], "missing [5]", id="missing"),
     pytest.param({0: (0, 1), 2: (4, 5, 5)}, 6, [0, 1, 4, 5], "duplicated [5]", id="duplicated"),
-    pytest.param({0: (0, 1, 2), 2: (4, 5)}, 6, [0, 1, 4, 5], ": [2]", id="in-range-but-not-expected"),
+    pytest.param({0: (0, 1, 2), 2: (4, 5)}, 6, [0, 1, 4, 5], "not planned this step: [2]",
+                 id="in-range-but-not-expected"),
     pytest.param({0: (0, 1), 2: (4, 5, 9)}, 6, [0, 1, 4, 5], "outside 0..5: [9]",
                  id="beyond-M"),
     pytest.param({0: (0, 1, 2, 3, 4, 5)}, 6, [0, 1, 4, 5], "plan covers the wrong microbatches",
@@ -336,6 +343,40 @@ def test_check_plan_with_expected_ids(assignment, m, expected_ids, reason):
         assert problem is None
     else:
         assert problem is not None and reason in problem, problem
+
+
+def test_check_plan_does_not_call_in_range_ids_out_of_range():
+    problem = check_plan({0: (0, 1, 2), 2: (4, 5)}, 6, expected_ids=[0, 1, 4, 5])
+    assert problem is not None and "outside" not in problem, problem
+
+
+def test_drop_lost_survivor_without_assignment_raises():
+    with pytest.raises(PolicyError, match=r"survivors \[7\] have no assignment"):
+        drop_lost({0: (0, 1), 1: (2, 3)}, [1], [0, 7])
+
+
+OVERFLOW_ROWS = [
+    pytest.param(5, 0, 2, True, 1, "2 microbatches overflowed the predicted scale; redo step 5 "
+                 "at scale epoch 1", id="first-overflow-redoes"),
+    pytest.param(5, 2, 1, True, 3, "redo step 5 at scale epoch 3", id="last-allowed-redo"),
+    pytest.param(5, 3, 4, False, 3, "4 microbatches of step 5 still overflow after 3 rescalings",
+                 id="gives-up-after-max"),
+    pytest.param(0, 9, 1, False, 9, "non-finite (NaN/inf)", id="beyond-max-fails-with-hint"),
+]
+
+
+@pytest.mark.parametrize(("step", "epoch", "overflowed", "redo", "next_epoch", "reason"),
+                         OVERFLOW_ROWS)
+def test_overflow_redo(step, epoch, overflowed, redo, next_epoch, reason):
+    decision = overflow_redo(step, epoch, overflowed)
+    assert decision.redo is redo
+    assert decision.scale_epoch == next_epoch
+    assert reason in decision.reason, decision.reason
+
+
+def test_overflow_redo_bound_is_a_parameter():
+    assert overflow_redo(1, 0, 1, max_epochs=0).redo is False
+    assert overflow_redo(1, 0, 1, max_epochs=1).redo is True
 
 
 def test_check_plan_expected_ids_none_means_all():

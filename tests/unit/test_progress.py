@@ -131,7 +131,8 @@ def test_beacon_beats_marks_compute_and_stops(tmp_path):
         assert abs(progress.read(path).killed_at - wall) < 1.0
     finally:
         beacon.close()
-    time.sleep(0.25)  # let a beat in flight land
+    assert not beacon._thread.is_alive(), "close() returned with the beat thread still running"
+    assert beacon._map.closed
     stopped = progress.read(path).beat_at
     time.sleep(0.3)
     assert progress.read(path).beat_at == stopped, "beats went on after close()"

@@ -292,6 +292,33 @@ def test_nan_or_inf_gradient_counts_as_overflow():
         g[3] = bad
         one_replica(acc, flat, g)
         assert acc.finish(acc.buffer()).overflow == 1, bad
+    # NaN in only the max (or only the min) bound must not slip through either.
+    for g in (torch.tensor([1.0, math.nan]), torch.tensor([math.nan, -1.0])):
+        acc.reset()
+        full = torch.zeros(sum(SIZES))
+        full[:2] = g
+        one_replica(acc, flat, full)
+        assert acc.finish(acc.buffer()).overflow == 1, g
+
+
+def test_high_scale_epochs_clamp_instead_of_flushing_to_zero():
+    flat = FlatGradients(make_params())
+    acc = ExactAccumulator(flat, M)
+    acc.reset(scale_epoch=40)  # 2**-640 would be 0.0 in float32
+    assert bool((acc._scale > 0).all())
+    assert float(acc._scale.min()) == 2.0 ** -126
+
+
+def test_observe_committed_keeps_the_previous_scale_for_non_finite_tensors():
+    flat = FlatGradients(make_params())
+    acc = ExactAccumulator(flat, M)
+    acc.observe_committed(torch.full((sum(SIZES),), 1e-3))
+    before = acc._scale.clone()
+    mean = torch.full((sum(SIZES),), 1e-3)
+    mean[0] = math.nan
+    mean[SIZES[0] + 1] = math.inf
+    acc.observe_committed(mean)  # must not raise
+    assert torch.equal(acc._scale, before)
 
 
 def test_observe_committed_predicts_per_tensor_exponents():

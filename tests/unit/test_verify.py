@@ -168,3 +168,52 @@ def test_cli_exit_codes(tmp_path, capsys):
 
     code, out, err = run_verify(capsys, [a])
     assert code == 2 and out == "" and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(("data", "phrase"), [
+    pytest.param([1, 2], "expected a JSON object, found list", id="list"),
+    pytest.param({}, "no steps_committed count", id="empty-object"),
+    pytest.param({"steps_committed": "3"}, "no steps_committed count", id="count-not-int"),
+    pytest.param({**summary(), "sample_digest_per_step": None}, "no sample_digest_per_step list",
+                 id="ledger-not-a-list"),
+    pytest.param({**summary(), "loss_per_step": [2.0]}, "loss_per_step has 1 entries for",
+                 id="short-list"),
+    pytest.param({k: v for k, v in summary().items() if k != "param_sha256_per_step"},
+                 "no param_sha256_per_step list", id="missing-key"),
+])
+def test_load_summary_rejects_non_summaries(tmp_path, data, phrase):
+    with pytest.raises(UsageError) as info:
+        load_summary(write(tmp_path / "summary.json", data))
+    message = str(info.value)
+    assert phrase in message and "\n" not in message, message
+
+
+def test_load_summary_unreadable_is_a_usage_error(tmp_path):
+    (tmp_path / "run" / "summary.json").mkdir(parents=True)  # read_text: IsADirectoryError
+    with pytest.raises(UsageError, match="cannot read .*summary.json: Is a directory"):
+        load_summary(str(tmp_path / "run"))
+
+
+@pytest.mark.parametrize(("left", "right", "rtol", "same"), [
+    pytest.param(float("nan"), float("nan"), 1.0, False, id="nan-never-equal"),
+    pytest.param(2.0, float("nan"), 1.0, False, id="nan-on-one-side"),
+    pytest.param(float("inf"), float("inf"), 0.0, True, id="equal-infinities"),
+    pytest.param(1.0, 1.1, 0.095, True, id="symmetric-uses-the-larger"),
+    pytest.param(1.1, 1.0, 0.095, True, id="symmetric-other-order"),
+    pytest.param(1.0, 1.1, 0.05, False, id="beyond-tolerance"),
+    pytest.param(0.0, 0.0, 0.0, True, id="zeros"),
+])
+def test_loss_tolerance_is_symmetric_and_nan_aware(left, right, rtol, same):
+    a = summary()
+    b = altered("loss_per_step", 1, right)
+    a["loss_per_step"][1] = left
+    assert compare(a, b, loss_rtol=rtol).identical is same
+    assert compare(b, a, loss_rtol=rtol).identical is same
+
+
+@pytest.mark.parametrize("rtol", ["-1e-3", "nan", "inf"])
+def test_cli_rejects_bad_loss_rtol(tmp_path, capsys, rtol):
+    a = write(tmp_path / "a" / "summary.json", summary())
+    code, out, err = run_verify(capsys, [a, a, f"--loss-rtol={rtol}"])
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "--loss-rtol must be a finite number >= 0" in err
