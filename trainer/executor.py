@@ -12,6 +12,7 @@ the controller's commit, so no replica can apply a step another did not.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -241,6 +242,8 @@ class StepExecutor:
         loss.backward()
         if hook is not None:
             hook.remove()
+        if self.faults.armed(s.step, "nan", position, count):
+            self.grads.flat[0] = math.nan
         self.accumulator.after_microbatch(float(loss.detach()))
         s.done.append(microbatch)
         s.sample_ids.extend(ids)

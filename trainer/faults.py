@@ -28,6 +28,7 @@ PHASES: dict[str, str] = {
     "spin": "hang: loop forever in Python while computing a microbatch (for the watchdog)",
     "deadlock": "hang: block forever on a lock while computing a microbatch (for the watchdog)",
     "slow": "stay alive but sleep `seconds` in every microbatch of the step (must NOT be killed)",
+    "nan": "not a kill: poison one microbatch's gradient with NaN in every attempt of the step",
 }
 HANG_PHASES = ("stop", "spin", "deadlock")
 

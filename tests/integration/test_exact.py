@@ -93,3 +93,16 @@ def test_drop_policy_drifts(tmp_path: Path, exact_reference: dict[str, Any]) -> 
     assert not verdict.identical
     assert verdict.first_difference == 2
     assert summary["param_sha256"] != exact_reference["param_sha256"]
+
+
+def test_non_finite_gradient_fails_the_job_instead_of_redoing_forever(tmp_path: Path) -> None:
+    """A NaN gradient overflows every scale: after a bounded number of redos the job
+    must end with a reason, the steps before it committed and nothing after it."""
+    args = [*EXACT_ARGS, "--replicas", "2", "--kill", "step=2,replica=1,phase=nan"]
+    result = run_recover(tmp_path, *args, timeout=90)
+    assert result.returncode == 1, result.stderr
+    assert "non-finite" in result.stderr and "Traceback" not in result.stderr
+    summary = result.summary
+    assert summary["state"] == "failed"
+    assert summary["steps_committed"] == 2
+    assert summary["exact_redos"] == 3
