@@ -26,6 +26,26 @@ def label_of(summary: dict[str, Any], path: str) -> str:
 
 
 def plot(runs: list[str], out: str, labels: list[str] | None = None) -> Path:
+    """Draw `runs` (the first is the reference) to the PNG `out`."""
+    if not runs:
+        raise UsageError("recover plot: name at least one run")
+    if labels and len(labels) != len(runs):
+        raise UsageError(f"recover plot: {len(labels)} labels for {len(runs)} runs")
+    summaries = [load_summary(run, "plot") for run in runs]
+    plt = _pyplot()
+    fig = draw(plt, summaries, runs, labels)
+    target = Path(out)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(target, dpi=110)
+    except OSError as error:
+        raise UsageError(f"recover plot: cannot write {target}: {error.strerror}") from None
+    finally:
+        plt.close(fig)
+    return target
+
+
+def _pyplot() -> Any:
     try:
         import matplotlib
 
@@ -33,9 +53,12 @@ def plot(runs: list[str], out: str, labels: list[str] | None = None) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         raise UsageError("recover plot: matplotlib is not installed (pip install matplotlib)") from None
-    if labels and len(labels) != len(runs):
-        raise UsageError(f"recover plot: {len(labels)} labels for {len(runs)} runs")
-    summaries = [load_summary(run) for run in runs]
+    return plt
+
+
+def draw(plt: Any, summaries: list[dict[str, Any]], runs: list[str],
+         labels: list[str] | None = None) -> Any:
+    """The figure: loss per step on top (failures marked), |loss - reference| below."""
     reference = summaries[0]["loss_per_step"]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True,
                                       gridspec_kw={"height_ratios": [3, 2]})
@@ -61,8 +84,4 @@ def plot(runs: list[str], out: str, labels: list[str] | None = None) -> Path:
     bottom.set_xlabel("step")
     bottom.legend(fontsize=8)
     fig.tight_layout()
-    target = Path(out)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(target, dpi=110)
-    plt.close(fig)
-    return target
+    return fig

@@ -29,23 +29,26 @@ LEDGER_KEYS = ("microbatches_per_step", "sample_digest_per_step", "param_sha256_
 """Per-step lists a summary must hold, one entry per committed step."""
 
 
-def load_summary(path: str) -> dict[str, Any]:
-    """Read and shape-check a run's summary.json; UsageError (one line) when it is not one."""
+def load_summary(path: str, command: str = "verify") -> dict[str, Any]:
+    """Read and shape-check a run's summary.json; UsageError (one line) when it is not one.
+
+    `command` names the `recover` subcommand in the error message.
+    """
     candidate = Path(path)
     if candidate.is_dir():
         candidate = candidate / "summary.json"
     try:
         summary = json.loads(candidate.read_text())
     except FileNotFoundError:
-        raise UsageError(f"recover verify: no run at {path} (expected a run directory or "
+        raise UsageError(f"recover {command}: no run at {path} (expected a run directory or "
                          "its summary.json)") from None
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise UsageError(f"recover verify: {candidate} is not a summary.json") from None
+        raise UsageError(f"recover {command}: {candidate} is not a summary.json") from None
     except OSError as error:
-        raise UsageError(f"recover verify: cannot read {candidate}: {error.strerror}") from None
+        raise UsageError(f"recover {command}: cannot read {candidate}: {error.strerror}") from None
     problem = _shape_problem(summary)
     if problem:
-        raise UsageError(f"recover verify: {candidate} is not a run summary: {problem}")
+        raise UsageError(f"recover {command}: {candidate} is not a run summary: {problem}")
     return summary
 
 
