@@ -241,6 +241,10 @@ class StepExecutor:
         loss.backward()
         if hook is not None:
             hook.remove()
+        if job.compute_ms > 0:
+            # Emulated accelerator time (--compute-ms): a sleep, not CPU work, so each
+            # slot's capacity is its own instead of a share of the machine's cores.
+            time.sleep(job.compute_ms / 1000.0)
         self.accumulator.after_microbatch(float(loss.detach()))
         s.done.append(microbatch)
         s.sample_ids.extend(ids)
