@@ -59,6 +59,9 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
                      help="inject a fault: step=S,replica=R,phase=P[,microbatch=K][,seconds=X]; "
                           "crash phases: forward, backward, reduce, commit, rebuild, recompute; "
                           "hangs: stop, spin, deadlock; slow (alive, seconds=X per microbatch)")
+    job.add_argument("--compute-ms", type=float, default=0.0, metavar="MS",
+                     help="emulated accelerator time: each microbatch also sleeps MS ms after its "
+                          "real forward/backward, so capacity belongs to each slot (default 0)")
     job.add_argument("--job-id", default=None, help="name of the job (default: random)")
     model = parser.add_argument_group("model (reference GPT)")
     model.add_argument("--n-layer", type=positive_int, default=2)
@@ -86,6 +89,8 @@ def job_from_args(args: argparse.Namespace) -> pb.JobConfig:
     for flag, value in (("--hang-timeout", args.hang_timeout), ("--hang-factor", args.hang_factor)):
         if not 0 < value < math.inf:
             raise UsageError(f"{flag} must be a positive number, got {value}")
+    if not 0 <= args.compute_ms < 3_600_000:
+        raise UsageError(f"--compute-ms must be a number of milliseconds >= 0, got {args.compute_ms}")
     faults = []
     for text in args.kill:
         try:
@@ -108,7 +113,8 @@ def job_from_args(args: argparse.Namespace) -> pb.JobConfig:
                              n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
                              dropout=0.1),
         faults=faults, group_timeout_s=args.group_timeout, corpus_seed=1234,
-        policy=args.policy, hang_timeout_s=args.hang_timeout, hang_factor=args.hang_factor)
+        policy=args.policy, hang_timeout_s=args.hang_timeout, hang_factor=args.hang_factor,
+        compute_ms=args.compute_ms)
 
 
 def job_to_args(job: pb.JobConfig) -> list[str]:
@@ -122,7 +128,7 @@ def job_to_args(job: pb.JobConfig) -> list[str]:
         "--n-head", str(job.model.n_head), "--seq-len", str(job.model.seq_len),
         "--vocab-size", str(job.model.vocab_size), "--group-timeout", repr(job.group_timeout_s),
         "--policy", job.policy or "recover", "--hang-timeout", repr(job.hang_timeout_s),
-        "--hang-factor", repr(job.hang_factor),
+        "--hang-factor", repr(job.hang_factor), "--compute-ms", repr(job.compute_ms),
     ]
     for fault in job.faults:
         args += ["--kill", format_fault_spec(fault)]

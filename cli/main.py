@@ -7,6 +7,7 @@
     recover events      a running job's event log
     recover verify      compare two runs' ledgers and parameter digests step by step
     recover plot        draw loss per step of several runs, failures marked
+    recover bench       benchmarks: throughput vs ckpt-restart, simulator (cli/bench.py)
 
 User mistakes end in one line on stderr and exit code 2, never a traceback.
 """
@@ -17,6 +18,7 @@ import argparse
 import asyncio
 import sys
 
+from recover.cli import bench
 from recover.cli.jobargs import (
     Parser,
     UsageError,
@@ -43,6 +45,7 @@ def build_parser() -> Parser:
     run.add_argument("--quiet", action="store_true", help="no live progress display")
     run.add_argument("--store", default="memory://",
                      help="controller state store: memory:// (default) or etcd://HOST:PORT[,...]")
+    bench.add_run_mode_arguments(run)
 
     ctl = sub.add_parser("controller", help="run the controller of a job")
     add_job_arguments(ctl)
@@ -93,6 +96,7 @@ def build_parser() -> Parser:
     plot.add_argument("--out", required=True, help="PNG file to write")
     plot.add_argument("--label", action="append", default=None,
                       help="legend label per run, in order (repeatable)")
+    bench.add_bench_parser(sub)
     return parser
 
 
@@ -144,7 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
+        if args.command == "run" and args.mode == "ckpt-restart":
+            return bench.run_ckpt_restart(args)
         if args.command == "run":
+            if args.schedule is not None:
+                raise UsageError("recover run: --schedule goes with --mode ckpt-restart (for "
+                                 "ReCoVer under a schedule use `recover bench throughput`)")
             from recover.cli.launcher import run_local
 
             return run_local(args)
@@ -152,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run_controller(args)
         if args.command == "agent":
             return _run_agent(args)
+        if args.command == "bench":
+            return bench.main(args)
         if args.command == "verify":
             from recover.cli import verify
 

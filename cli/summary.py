@@ -86,6 +86,11 @@ def build_summary(report: pb.RunReport, wall_s: float) -> dict[str, Any]:
         "train_s": round(report.finished_at - report.started_at, 3)
         if report.finished_at and report.started_at else None,
         "tokens": sum(record.tokens for record in steps),
+        "compute_ms": report.job.compute_ms,
+        "started_at": report.started_at,
+        # Seconds from the job's start to each step's commit (cumulative-tokens plots).
+        "committed_at_s_per_step": [round(record.committed_at - report.started_at, 4)
+                                    if report.started_at else None for record in steps],
     }
 
 

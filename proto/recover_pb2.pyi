@@ -37,7 +37,7 @@ class FaultSpec(_message.Message):
     def __init__(self, step: _Optional[int] = ..., replica: _Optional[int] = ..., phase: _Optional[str] = ..., microbatch: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class JobConfig(_message.Message):
-    __slots__ = ("job_id", "replicas", "steps", "global_microbatches", "microbatch_size", "seed", "reduce", "learning_rate", "model", "faults", "group_timeout_s", "corpus_seed", "policy", "hang_timeout_s", "hang_factor")
+    __slots__ = ("job_id", "replicas", "steps", "global_microbatches", "microbatch_size", "seed", "reduce", "learning_rate", "model", "faults", "group_timeout_s", "corpus_seed", "policy", "hang_timeout_s", "hang_factor", "compute_ms")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class JobConfig(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     HANG_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     HANG_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     replicas: int
     steps: int
@@ -68,7 +69,8 @@ class JobConfig(_message.Message):
     policy: str
     hang_timeout_s: float
     hang_factor: float
-    def __init__(self, job_id: _Optional[str] = ..., replicas: _Optional[int] = ..., steps: _Optional[int] = ..., global_microbatches: _Optional[int] = ..., microbatch_size: _Optional[int] = ..., seed: _Optional[int] = ..., reduce: _Optional[str] = ..., learning_rate: _Optional[float] = ..., model: _Optional[_Union[ModelConfig, _Mapping]] = ..., faults: _Optional[_Iterable[_Union[FaultSpec, _Mapping]]] = ..., group_timeout_s: _Optional[float] = ..., corpus_seed: _Optional[int] = ..., policy: _Optional[str] = ..., hang_timeout_s: _Optional[float] = ..., hang_factor: _Optional[float] = ...) -> None: ...
+    compute_ms: float
+    def __init__(self, job_id: _Optional[str] = ..., replicas: _Optional[int] = ..., steps: _Optional[int] = ..., global_microbatches: _Optional[int] = ..., microbatch_size: _Optional[int] = ..., seed: _Optional[int] = ..., reduce: _Optional[str] = ..., learning_rate: _Optional[float] = ..., model: _Optional[_Union[ModelConfig, _Mapping]] = ..., faults: _Optional[_Iterable[_Union[FaultSpec, _Mapping]]] = ..., group_timeout_s: _Optional[float] = ..., corpus_seed: _Optional[int] = ..., policy: _Optional[str] = ..., hang_timeout_s: _Optional[float] = ..., hang_factor: _Optional[float] = ..., compute_ms: _Optional[float] = ...) -> None: ...
 
 class Assignment(_message.Message):
     __slots__ = ("replica", "microbatch_ids")

@@ -244,6 +244,10 @@ class StepExecutor:
             hook.remove()
         if self.faults.armed(s.step, "nan", position, count):
             self.grads.flat[0] = math.nan
+        if job.compute_ms > 0:
+            # Emulated accelerator time (--compute-ms): a sleep, not CPU work, so each
+            # slot's capacity is its own instead of a share of the machine's cores.
+            time.sleep(job.compute_ms / 1000.0)
         self.accumulator.after_microbatch(float(loss.detach()))
         s.done.append(microbatch)
         s.sample_ids.extend(ids)

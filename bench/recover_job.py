@@ -1,0 +1,115 @@
+"""Run a real `recover run` job and, optionally, kill its workers from outside on a schedule.
+
+The kills are plain `kill -9` of worker PIDs (learnt from the controller's
+replica-ready events) at the schedule's times after the first committed step;
+nothing inside the job knows they are coming. Slot returns (repairs) are
+ignored: ReCoVer has no rejoin yet, so a lost replica stays lost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from recover.bench.schedules import Schedule
+from recover.cli import inspect
+from recover.proto import pb
+
+PID = re.compile(r"pid (\d+)")
+
+
+class JobFailed(Exception):
+    """The job did not finish; the message says why in one line."""
+
+
+def run_recover(out: Path, job_args: list[str], schedule: Schedule | None = None,
+                progress: Callable[[str], None] | None = None, label: str = "recover",
+                timeout_s: float = 600.0) -> dict[str, Any]:
+    """Run the job to its end; return its summary.json plus launch-relative times.
+
+    Adds: launched_at, kills ([{slot, killed_at_s, pid}]), commit_timeline
+    ([[seconds since launch, step]]), end_s (last commit, seconds since launch).
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").unlink(missing_ok=True)
+    port_file = out / "controller.port"
+    port_file.unlink(missing_ok=True)
+    launched = time.time()
+    log = open(out / "launcher.log", "wb")  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen([sys.executable, "-m", "recover.cli.main", "run", *job_args, "--quiet",
+                             "--out", str(out)], stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    pending = list(schedule.events) if schedule else []
+    pids: dict[int, int] = {}
+    kills: list[dict[str, Any]] = []
+    first_commit: float | None = None
+    channel = stub = None
+    after, last_shown = 0, 0.0
+    try:
+        while proc.poll() is None:
+            if time.time() - launched > timeout_s:
+                raise JobFailed(f"{label}: no result within {timeout_s:.0f}s")
+            time.sleep(0.02)
+            if stub is None:
+                if not port_file.exists():
+                    continue
+                try:
+                    channel, stub = inspect.connect(f"127.0.0.1:{port_file.read_text()}", 10)
+                except (inspect.ControllerUnreachable, ValueError):
+                    continue
+            try:
+                for event in stub.Events(pb.EventsRequest(after_seq=after), timeout=2).events:
+                    after = event.seq
+                    if event.kind == "replica-ready" and (m := PID.search(event.message)):
+                        pids[event.replica] = int(m.group(1))
+                status = stub.Status(pb.StatusRequest(), timeout=2)
+            except grpc.RpcError:
+                continue  # the job is ending (or busy): try again, the process poll decides
+            now = time.time()
+            if first_commit is None and status.steps_committed >= 1:
+                first_commit = now
+            while first_commit is not None and pending and pending[0].at_s <= now - first_commit:
+                event = pending.pop(0)
+                pid = pids.get(event.slot)
+                if pid is not None:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pid = None  # already gone: a second failure of a dead slot counts nothing
+                kills.append({"slot": event.slot, "killed_at_s": round(now - launched, 4),
+                              "pid": pid})
+            if progress is not None and now - last_shown > 2.0:
+                last_shown = now
+                progress(f"{label}: step {status.steps_committed}/{status.steps_total}  "
+                         f"live {len(status.live_replicas)}  recoveries {status.recoveries}  "
+                         f"{now - launched:.0f}s")
+    finally:
+        if channel is not None:
+            channel.close()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait()
+        log.close()
+    try:
+        summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        tail = (out / "launcher.log").read_text(errors="replace").strip().splitlines()[-1:]
+        raise JobFailed(f"{label}: exit code {proc.returncode}, no summary: {' '.join(tail)}") from None
+    if summary["state"] != "succeeded":
+        raise JobFailed(f"{label}: training failed: {summary['reason']}")
+    offset = summary["started_at"] - launched
+    times = [offset + t for t in summary["committed_at_s_per_step"]]
+    summary.update(mode="recover", launched_at=launched, kills=kills,
+                   commit_timeline=[[round(t, 4), step] for step, t in enumerate(times)],
+                   end_s=round(times[-1], 4) if times else None)
+    return summary

@@ -1,0 +1,172 @@
+"""`recover bench ...` and `recover run --mode ckpt-restart`: the benchmark entry points.
+
+    recover bench throughput --schedule FILE --out DIR   ReCoVer vs ckpt-restart vs failure-free
+    recover bench simulate --out DIR                     discrete-event projection at scale
+
+The work lives in recover.bench; this module only parses and validates flags
+(one-line errors, exit code 2) and prints tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from recover.cli.jobargs import UsageError, add_job_arguments, job_from_args, job_to_args
+
+
+def _policy_args(parser: argparse.ArgumentParser) -> None:
+    ckpt = parser.add_argument_group("checkpoint-and-restart baseline")
+    ckpt.add_argument("--ckpt-every-steps", type=int, default=None, metavar="N",
+                      help="checkpoint every N steps (default: Young-Daly from the measured write "
+                           "cost and the schedule's failure rate)")
+    ckpt.add_argument("--ckpt-every-s", type=float, default=None, metavar="S",
+                      help="checkpoint every S seconds")
+    ckpt.add_argument("--mtbf", type=float, default=None, metavar="S",
+                      help="job-wide mean time between failures for Young-Daly (default: from "
+                           "the schedule)")
+
+
+def add_run_mode_arguments(run: argparse.ArgumentParser) -> None:
+    """`recover run --mode ckpt-restart [--schedule FILE] [--ckpt-every-steps N ...]`."""
+    run.add_argument("--mode", choices=["recover", "ckpt-restart"], default="recover",
+                     help="recover (default) or the checkpoint-and-restart baseline "
+                          "(torchrun-style: any failure restarts every worker from the last "
+                          "checkpoint)")
+    run.add_argument("--schedule", default=None, metavar="FILE",
+                     help="ckpt-restart only: slot failures from a schedule file "
+                          "(benchmarks/schedules/)")
+    _policy_args(run)
+
+
+def add_bench_parser(sub: Any) -> None:
+    bench = sub.add_parser("bench", help="benchmarks: throughput vs ckpt-restart, simulator")
+    kinds = bench.add_subparsers(dest="bench", metavar="BENCH", parser_class=type(bench))
+    kinds.required = True
+    tp = kinds.add_parser("throughput", help="ReCoVer vs ckpt-restart vs failure-free, same job "
+                                             "and failure schedule")
+    add_job_arguments(tp)
+    tp.set_defaults(steps=40, compute_ms=100.0)
+    tp.add_argument("--schedule", required=True, metavar="FILE", help="failure schedule (JSON)")
+    tp.add_argument("--out", required=True, metavar="DIR", help="results.json, PNGs, run folders")
+    tp.add_argument("--run-timeout", type=float, default=600.0, help="seconds per run (default 600)")
+    _policy_args(tp)
+    sim = kinds.add_parser("simulate", help="discrete-event projection to 512 / 16k / 100k GPUs")
+    sim.add_argument("--out", required=True, metavar="DIR")
+    sim.add_argument("--calibrate", default=None, metavar="RESULTS",
+                     help="a `bench throughput` results.json to calibrate against")
+    sim.add_argument("--seed", type=int, default=0)
+
+
+def _policy(args: argparse.Namespace, schedule_mtbf: float | None) -> Any:
+    from recover.bench.ckpt_policy import CheckpointPolicy
+
+    if args.ckpt_every_steps is not None and args.ckpt_every_steps < 1:
+        raise UsageError(f"--ckpt-every-steps must be at least 1, got {args.ckpt_every_steps}")
+    for flag, value in (("--ckpt-every-s", args.ckpt_every_s), ("--mtbf", args.mtbf)):
+        if value is not None and not 0 < value < math.inf:
+            raise UsageError(f"{flag} must be a positive number of seconds, got {value}")
+    return CheckpointPolicy(every_steps=args.ckpt_every_steps, every_s=args.ckpt_every_s,
+                            system_mtbf_s=args.mtbf or schedule_mtbf)
+
+
+def _schedule(path: str | None, replicas: int) -> Any:
+    from recover.bench.schedules import ScheduleError, load
+
+    if path is None:
+        return None
+    try:
+        return load(path, replicas)
+    except ScheduleError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _out(path: str) -> Path:
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--out {path!r}: {exc.strerror}") from None
+    return out
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def run_ckpt_restart(args: argparse.Namespace) -> int:
+    """`recover run --mode ckpt-restart`."""
+    from recover.bench.ckpt_restart import CkptRestartConfig, run
+
+    job = job_from_args(args)
+    if job.reduce != "fast" or job.policy not in ("", "recover"):
+        raise UsageError("--mode ckpt-restart supports --reduce fast and no --policy")
+    crashes = [f for f in job.faults if f.phase in ("forward", "backward", "reduce", "commit")]
+    if len(crashes) != len(job.faults):
+        raise UsageError("--mode ckpt-restart: --kill supports the crash phases forward, backward, "
+                         "reduce and commit only (the process is SIGKILLed during that step)")
+    schedule = _schedule(args.schedule, job.replicas)
+    policy = _policy(args, schedule.system_mtbf_s() if schedule else None)
+    out = _out(args.out)
+    summary = run(CkptRestartConfig(job=job, out=out, policy=policy, schedule=schedule,
+                                    step_kills=[(f.step, f.replica) for f in job.faults],
+                                    progress=None if args.quiet else say))
+    print(f"{summary['state']}: {summary['steps_committed']}/{summary['steps_requested']} steps, "
+          f"{len(summary['restarts'])} restarts, {summary['steps_redone']} steps redone, "
+          f"{len(summary['checkpoints'])} checkpoints, {summary['wall_s']:.1f}s")
+    print(f"summary: {out / 'summary.json'}")
+    return 0 if summary["state"] == "succeeded" else 1
+
+
+def _throughput(args: argparse.Namespace) -> int:
+    from recover.bench import throughput
+    from recover.bench.recover_job import JobFailed
+
+    if args.kill:
+        raise UsageError("recover bench throughput: failures come from --schedule, not --kill")
+    job = job_from_args(args)
+    if job.reduce != "fast" or job.policy not in ("", "recover"):
+        raise UsageError("recover bench throughput: the baseline supports --reduce fast only")
+    schedule = _schedule(args.schedule, job.replicas)
+    config = throughput.ThroughputConfig(
+        job=job, job_args=job_to_args(job), schedule=schedule, schedule_path=args.schedule,
+        out=_out(args.out), policy=_policy(args, schedule.system_mtbf_s()),
+        timeout_s=args.run_timeout)
+    try:
+        results = throughput.run(config, say)
+    except (JobFailed, RuntimeError) as exc:
+        print(f"recover bench throughput: {exc}", file=sys.stderr)
+        return 1
+    print(throughput.format_table(results))
+    print(f"results: {config.out / 'results.json'}; plots: {', '.join(results['plots'])}")
+    return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from recover.bench import simulate
+
+    calibration = None
+    if args.calibrate is not None:
+        try:
+            calibration = json.loads(Path(args.calibrate).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise UsageError(f"--calibrate {args.calibrate!r}: cannot read a results.json ({exc})"
+                             ) from None
+        if calibration.get("benchmark") != "throughput":
+            raise UsageError(f"--calibrate {args.calibrate!r}: not a `bench throughput` results.json")
+    out = _out(args.out)
+    results = simulate.main(calibration, args.seed)
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(simulate.format_table(results))
+    print(f"results: {out / 'results.json'}")
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.bench == "throughput":
+        return _throughput(args)
+    return _simulate(args)
