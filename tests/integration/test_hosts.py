@@ -67,10 +67,18 @@ def test_host_loss_kill_and_stop(tmp_path: Path) -> None:
                            "--steps", "400", "-M", "8", "-B", "4", "--metrics-port",
                            str(metrics_port), "--job-id", "hosts")
         time.sleep(0.5)
+        # Replica ids follow registration order: start the agents one after the
+        # other so that a's two slots are replicas 0 and 1 whatever the scheduling.
+        def registered(count: int) -> None:
+            wait_for(lambda: recover_json("status", "--controller", address)[0].get("agents", 0)
+                     >= count, 30, f"{count} agents registered")
+
         start("agent-a", "agent", "--controller", address, "--slots", "2", "--agent-id", "a",
               "--log-dir", str(logs), "--metrics-port", str(agent_metrics))
+        registered(1)
         killed = start("agent-b", "agent", "--controller", address, "--slots", "1",
                        "--agent-id", "b", "--log-dir", str(logs))
+        registered(2)
         stopped = start("agent-c", "agent", "--controller", address, "--slots", "1",
                         "--agent-id", "c", "--log-dir", str(logs))
         wait_for(lambda: recover_json("status", "--controller", address)[0]["steps_committed"] >= 3,
