@@ -14,13 +14,15 @@ import socket
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
+from recover.agent import fencing
+from recover.agent.link import LinkError, Session, open_session
 from recover.agent.local import WorkerChannelService
 from recover.agent.metrics import AgentCollector
 from recover.agent.workers import WorkerProcess, exit_report, spawn_worker, stop_workers
@@ -37,7 +39,8 @@ class AgentError(Exception):
 @dataclass(frozen=True)
 class AgentConfig:
     controller: str
-    """host:port of the controller."""
+    """host:port of the controller, or a comma-separated list of every controller of the job
+    (the agent finds the leader among them, and the new one after a failover)."""
     slots: int
     """Worker slots on this host (one worker, one replica each)."""
     command: list[str]
@@ -48,6 +51,10 @@ class AgentConfig:
     """Heartbeat period; the controller declares an agent lost after a few missed ones."""
     connect_timeout_s: float = 10.0
     """How long to wait for the controller to answer at start."""
+    leader_timeout_s: float = 2.0
+    """A leader silent this long (it heartbeats every ~0.5 s) is presumed stopped or cut off."""
+    reconnect_timeout_s: float = 20.0
+    """After losing the leader, how long to look for a new one before stopping the workers."""
     log_dir: str | None = None
     """Write each worker's output to LOG_DIR/replica-N.log instead of inheriting stdout."""
     shutdown_grace_s: float = 5.0
@@ -56,6 +63,11 @@ class AgentConfig:
     """Serve Prometheus metrics on 127.0.0.1:PORT/metrics (0: any free port; None: off)."""
     metrics_host: str = "127.0.0.1"
     """Address the metrics endpoint listens on."""
+
+
+    @property
+    def controllers(self) -> list[str]:
+        return [a.strip() for a in self.controller.split(",") if a.strip()]
 
 
 class Agent:
@@ -68,9 +80,22 @@ class Agent:
         self._shutdown: pb.Shutdown | None = None
         self.heartbeats_sent = 0
         self.reports_relayed = 0
+        self.term = 0
+        """Highest leadership term seen: commands from a lower one are refused."""
+        self.fenced_commands = 0
+        self.reconnects = 0
+        self._applied: dict[int, pb.WorkerReport] = {}
+        self._applied_step: dict[int, int] = {}
+        self._ready: dict[int, pb.WorkerReport] = {}
         self.metrics_port: int | None = None
 
     def relay(self, report: pb.WorkerReport) -> None:
+        kind = report.WhichOneof("kind")
+        if kind == "applied":
+            self._applied[report.replica] = report
+            self._applied_step[report.replica] = report.applied.step
+        elif kind == "ready":
+            self._ready[report.replica] = report
         self.reports_relayed += 1
         self._upstream.put_nowait(pb.AgentMessage(report=report))
 
@@ -82,45 +107,58 @@ class Agent:
         self.metrics_port = server.server_port
         log.info("metrics on http://%s:%d/metrics", self.config.metrics_host, self.metrics_port)
 
-    async def _requests(self) -> AsyncIterator[pb.AgentMessage]:
-        while (message := await self._upstream.get()) is not None:
-            yield message
+    def _registration(self, resume: bool) -> pb.AgentMessage:
+        """The first message of a session: register, or rejoin a new leader with live workers."""
+        cfg = self.config
+        live = sorted(r for r, w in self.workers.items() if w.process.returncode is None)
+        return pb.AgentMessage(register=pb.RegisterAgent(
+            agent_id=cfg.agent_id, host=socket.gethostname(), slots=cfg.slots, resume=resume,
+            replica_ids=live if resume else [], term=self.term, generation=self.generation))
+
+    async def _connect(self, resume: bool, lost: str | None = None) -> Session:
+        cfg = self.config
+        timeout = cfg.reconnect_timeout_s if resume else cfg.connect_timeout_s
+        try:
+            session = await open_session(cfg.controllers, [self._registration(resume)], timeout,
+                                         lost=lost)
+        except LinkError as exc:
+            raise AgentError(str(exc)) from None
+        self.term = max(self.term, session.term)
+        self._upstream = session.upstream
+        if resume:
+            # The old leader may have died before persisting these (reports sent
+            # while no leader listened are gone): the new one needs the last
+            # digests, or readiness when the job had not started. No await since
+            # the swap above, so nothing relayed meanwhile is missing.
+            replays = self._applied if self.generation else self._ready
+            for replica in sorted(replays):
+                self._upstream.put_nowait(pb.AgentMessage(report=replays[replica]))
+        return session
 
     async def run(self) -> int:
         cfg = self.config
         if cfg.metrics_port is not None:
             self._serve_metrics()
-        channel = grpc.aio.insecure_channel(cfg.controller)
-        try:
-            await asyncio.wait_for(channel.channel_ready(), cfg.connect_timeout_s)
-        except TimeoutError:
-            await channel.close()
-            raise AgentError(f"cannot reach the controller at {cfg.controller} "
-                             f"(nothing answered within {cfg.connect_timeout_s:.0f}s)") from None
-        self._upstream.put_nowait(pb.AgentMessage(register=pb.RegisterAgent(
-            agent_id=cfg.agent_id, host=socket.gethostname(), slots=cfg.slots)))
-        call = rpc.AgentSessionStub(channel).Session(self._requests())
+        session = await self._connect(resume=False)
         tasks: list[asyncio.Task[None]] = []
         server: grpc.aio.Server | None = None
         with tempfile.TemporaryDirectory(prefix="recover-agent-") as socket_dir:
             try:
-                first = await call.read()
-                if first is grpc.aio.EOF or first.WhichOneof("kind") != "registered":
-                    raise AgentError("the controller closed the session before registering us")
-                registered = first.registered
+                registered = session.registered
                 server, address = await self._serve_workers(registered.job, Path(socket_dir))
                 await self._spawn(list(registered.replica_ids), registered.job, address,
                                   Path(socket_dir))
                 tasks = [asyncio.create_task(self._heartbeat()),
                          asyncio.create_task(self._watchdog(registered.job))]
                 tasks += [asyncio.create_task(self._watch(w)) for w in self.workers.values()]
-                while (message := await call.read()) is not grpc.aio.EOF:
-                    if self._handle(message):
-                        break
-            except grpc.aio.AioRpcError as exc:
-                if self._shutdown is None:
-                    raise AgentError(f"controller session ended: {exc.details() or exc.code().name}"
-                                     ) from None
+                while not await self._pump(session):
+                    # The leader is gone (or stood down): the workers keep going
+                    # while we find the new one and rejoin it.
+                    await session.channel.close()
+                    log.warning("lost the session with the controller at %s; looking for the "
+                                "leader", session.address)
+                    self.reconnects += 1
+                    session = await self._connect(resume=True, lost=session.address)
             finally:
                 for task in tasks:
                     task.cancel()
@@ -129,11 +167,24 @@ class Agent:
                 self._upstream.put_nowait(None)
                 if server is not None:
                     await server.stop(grace=0.2)
-                await channel.close()
-        if self._shutdown is None:
-            raise AgentError("the controller closed the session without a shutdown")
+                await session.channel.close()
+        assert self._shutdown is not None
         log.info("job ended: %s", self._shutdown.reason)
         return 0 if self._shutdown.success else 1
+
+    async def _pump(self, session: Session) -> bool:
+        """Forward the leader's commands until the job ends (True) or the session does (False)."""
+        timeout = self.config.leader_timeout_s
+        try:
+            while (message := await asyncio.wait_for(session.call.read(), timeout)
+                   ) is not grpc.aio.EOF:
+                if self._handle(message):
+                    return True
+        except grpc.aio.AioRpcError as exc:
+            log.warning("controller session failed: %s", exc.details() or exc.code().name)
+        except TimeoutError:
+            log.warning("the controller at %s was silent for %.1fs", session.address, timeout)
+        return False
 
     async def _serve_workers(self, job: pb.JobConfig, socket_dir: Path) -> tuple[grpc.aio.Server, str]:
         server = grpc.aio.server()
@@ -195,17 +246,25 @@ class Agent:
 
     def _handle(self, message: pb.ControllerMessage) -> bool:
         """Forward one controller message to the workers; True when the job is over."""
-        kind = message.WhichOneof("kind")
+        kind = message.WhichOneof("kind") or ""
+        generation = (message.generation.generation if kind == "generation"
+                      else message.commit.generation if kind == "commit" else 0)
+        verdict = fencing.judge(kind, message.term, generation, self.term, self.generation)
+        if not verdict.accept:
+            self.fenced_commands += 1
+            log.warning("refused a command: %s", verdict.reason, extra={"term": message.term})
+            return False
+        self.term = max(self.term, message.term)
         if kind == "generation":
             view = message.generation
-            if view.generation <= self.generation:
-                return False  # fenced: never go back to an older view
             self.generation = view.generation
             self._members = set(view.members)
             self._forward(pb.WorkerCommand(generation=view))
         elif kind == "commit":
-            if message.commit.generation == self.generation:
-                self._forward(pb.WorkerCommand(commit=message.commit))
+            commit = message.commit
+            for replica in self._members:
+                if fencing.wants_commit(commit.step, self._applied_step.get(replica, -1)).accept:
+                    self._forward(pb.WorkerCommand(commit=commit), [replica])
         elif kind == "shutdown":
             self._shutdown = message.shutdown
             for worker in self.workers.values():
@@ -213,8 +272,8 @@ class Agent:
             return True
         return False
 
-    def _forward(self, command: pb.WorkerCommand) -> None:
-        for replica in self._members:
+    def _forward(self, command: pb.WorkerCommand, replicas: Iterable[int] | None = None) -> None:
+        for replica in self._members if replicas is None else replicas:
             worker = self.workers.get(replica)
             if worker is not None and worker.process.returncode is None:
                 worker.commands.put_nowait(command)

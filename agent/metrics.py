@@ -6,6 +6,9 @@
 | `recover_agent_worker_exits_total` | counter, by cause | exits reported (crash, watchdog) |
 | `recover_agent_generation` | gauge | newest generation this agent forwarded |
 | `recover_agent_heartbeats_total` | counter | heartbeats sent to the controller |
+| `recover_agent_leader_term` | gauge | highest controller leadership term seen |
+| `recover_agent_fenced_commands_total` | counter | commands refused (a lower term, or an older generation) |
+| `recover_agent_reconnects_total` | counter | sessions re-opened with a new leader (workers kept running) |
 | `recover_agent_reports_relayed_total` | counter | worker reports relayed upstream |
 | `recover_agent_worker_progress_age_seconds` | gauge, by replica | since the worker's last liveness beat |
 """
@@ -45,6 +48,12 @@ class AgentCollector(Collector):
         yield exits
         yield GaugeMetricFamily("recover_agent_generation", "Newest generation forwarded",
                                 value=agent.generation)
+        yield GaugeMetricFamily("recover_agent_leader_term", "Highest leader term seen",
+                                value=agent.term)
+        yield CounterMetricFamily("recover_agent_fenced_commands", "Controller commands refused",
+                                  value=agent.fenced_commands)
+        yield CounterMetricFamily("recover_agent_reconnects", "Sessions re-opened with a new leader",
+                                  value=agent.reconnects)
         yield CounterMetricFamily("recover_agent_heartbeats", "Heartbeats sent",
                                   value=agent.heartbeats_sent)
         yield CounterMetricFamily("recover_agent_reports_relayed", "Worker reports relayed",

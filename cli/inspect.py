@@ -29,6 +29,41 @@ def connect(address: str, timeout_s: float = 5.0) -> tuple[grpc.Channel, rpc.Con
     return channel, rpc.ControlStub(channel)
 
 
+def connect_leader(addresses: str, timeout_s: float = 5.0) -> tuple[grpc.Channel, rpc.ControlStub]:
+    """Connect to the leading controller among comma-separated `addresses`.
+
+    A standby names the leader it sees, which is tried too. With no leader
+    reachable, the first controller that answers (a standby) is returned.
+    """
+    candidates = [a.strip() for a in addresses.split(",") if a.strip()]
+    if len(candidates) == 1:
+        return connect(candidates[0], timeout_s)
+    deadline = time.monotonic() + timeout_s
+    fallback: tuple[grpc.Channel, rpc.ControlStub] | None = None
+    for address in candidates:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        try:
+            channel, stub = connect(address, min(remaining, 2.0))
+            status = stub.Status(pb.StatusRequest(), timeout=min(remaining, 2.0))
+        except (ControllerUnreachable, grpc.RpcError):
+            continue
+        if status.role != "standby":
+            if fallback is not None:
+                fallback[0].close()
+            return channel, stub
+        if status.leader and status.leader not in candidates:
+            candidates.append(status.leader)
+        if fallback is None:
+            fallback = (channel, stub)
+        else:
+            channel.close()
+    if fallback is not None:
+        return fallback
+    raise ControllerUnreachable(f"no controller answers at {addresses} (waited {timeout_s:.0f}s)")
+
+
 def to_json(message: Message) -> str:
     """snake_case JSON with numbers as numbers (protobuf's JSON turns int64 into strings)."""
     fields = {f.name: f for f in message.DESCRIPTOR.fields}
@@ -47,6 +82,7 @@ def to_json(message: Message) -> str:
 def format_status(status: pb.JobStatus) -> str:
     load = " ".join(f"{entry.replica}:{entry.microbatches}" for entry in status.load)
     lines = [
+        *([f"leader      {status.leader} (term {status.term})"] if status.leader else []),
         f"job         {status.job_id}",
         f"state       {status.state}" + (f" ({status.reason})" if status.reason else ""),
         f"step        {status.steps_committed}/{status.steps_total}",
@@ -72,7 +108,7 @@ def format_event(event: pb.Event) -> str:
 
 def main(args: argparse.Namespace) -> int:
     try:
-        channel, stub = connect(args.controller, args.timeout)
+        channel, stub = connect_leader(args.controller, args.timeout)
     except ControllerUnreachable as exc:
         print(f"recover {args.command}: {exc}", file=sys.stderr)
         return 1

@@ -60,11 +60,12 @@ class LocalJob:
         return " | ".join(text[-lines:])
 
     def stop(self, grace_s: float = 5.0) -> None:
-        """End the controller; agents then leave (after its shutdown, or on losing it)."""
+        """End the controllers (standbys first, so none takes over); agents then leave."""
         deadline = time.monotonic() + grace_s
-        controller = self.processes.get("controller")
-        if controller is not None and controller.poll() is None:
-            controller.send_signal(signal.SIGTERM)
+        for name in sorted(self.processes, key=lambda n: n == "controller"):
+            process = self.processes[name]
+            if name.startswith("controller") and process.poll() is None:
+                process.send_signal(signal.SIGTERM)
         for process in self.processes.values():
             try:
                 process.wait(timeout=max(0.1, deadline - time.monotonic()))
@@ -75,17 +76,22 @@ class LocalJob:
             f.close()
 
 
-def _wait_for_port(job: LocalJob, port_file: Path, timeout_s: float = 60.0) -> int:
+def controller_name(index: int) -> str:
+    """Process (and log) name of the index-th controller: controller, controller-1, ..."""
+    return "controller" if index == 0 else f"controller-{index}"
+
+
+def _wait_for_port(job: LocalJob, name: str, port_file: Path, timeout_s: float = 60.0) -> int:
     deadline = time.monotonic() + timeout_s
-    controller = job.processes["controller"]
+    controller = job.processes[name]
     while time.monotonic() < deadline:
         if port_file.exists():
             return int(port_file.read_text())
         if controller.poll() is not None:
-            raise LaunchError(f"the controller exited with code {controller.returncode}: "
-                              f"{job.log_tail('controller')}")
+            raise LaunchError(f"{name} exited with code {controller.returncode}: "
+                              f"{job.log_tail(name)}")
         time.sleep(0.05)
-    raise LaunchError(f"the controller did not start listening within {timeout_s:.0f}s")
+    raise LaunchError(f"{name} did not start listening within {timeout_s:.0f}s")
 
 
 class Progress:
@@ -136,6 +142,11 @@ def run_local(args: argparse.Namespace) -> int:
         open_store(args.store)
     except StoreError as exc:
         raise UsageError(f"recover run: --store: {exc}") from None
+    if args.controllers < 1:
+        raise UsageError(f"recover run: --controllers must be at least 1, got {args.controllers}")
+    if args.controllers > 1 and not args.store.startswith("etcd://"):
+        raise UsageError(f"recover run: --controllers {args.controllers} needs a shared store "
+                         "(--store etcd://HOST:PORT); the memory store lives in one controller")
     agents = args.agents if args.agents is not None else min(2, job_config.replicas)
     if not 1 <= agents <= job_config.replicas:
         raise UsageError(f"--agents must be between 1 and --replicas ({job_config.replicas})")
@@ -144,25 +155,31 @@ def run_local(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UsageError(f"--out {str(out)!r}: {exc.strerror}") from None
-    port_file = out / "controller.port"
-    port_file.unlink(missing_ok=True)
+    port_files = [out / f"{controller_name(i)}.port" for i in range(args.controllers)]
+    for port_file in port_files:
+        port_file.unlink(missing_ok=True)
     job = LocalJob(out)
     progress = Progress(enabled=not args.quiet)
     python = sys.executable
     started = time.monotonic()
     try:
-        job.start("controller", [python, "-m", "recover.cli.main", "controller",
-                                 *job_to_args(job_config), "--port", "0",
-                                 "--port-file", str(port_file), "--store", args.store])
-        address = f"127.0.0.1:{_wait_for_port(job, port_file)}"
+        for index, port_file in enumerate(port_files):
+            job.start(controller_name(index), [
+                python, "-m", "recover.cli.main", "controller", *job_to_args(job_config),
+                "--port", "0", "--port-file", str(port_file), "--store", args.store,
+                "--controller-id", controller_name(index)])
+        addresses = [f"127.0.0.1:{_wait_for_port(job, controller_name(i), f)}"
+                     for i, f in enumerate(port_files)]
+        address = ",".join(addresses)
         for index, slots in enumerate(split_slots(job_config.replicas, agents)):
             job.start(f"agent-{index}", [
                 python, "-m", "recover.cli.main", "agent", "--controller", address,
                 "--slots", str(slots), "--agent-id", f"host{index}",
                 "--log-dir", str(job.logs), "--", python, "-m", "recover.trainer.worker"])
         print(f"recover run: job {job_config.job_id}, {job_config.replicas} replicas on {agents} "
-              f"agents, controller {address}, logs in {job.logs}", file=sys.stderr)
-        report = _watch(job, address, progress)
+              f"agents, controller{'s' if len(addresses) > 1 else ''} {address}, logs in "
+              f"{job.logs}", file=sys.stderr)
+        report = _watch(job, addresses, progress)
         summary = build_summary(report, time.monotonic() - started)
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         progress.done()
@@ -182,27 +199,37 @@ def run_local(args: argparse.Namespace) -> int:
         return 130
     finally:
         job.stop()
-        port_file.unlink(missing_ok=True)
+        for port_file in port_files:
+            port_file.unlink(missing_ok=True)
 
 
-def _watch(job: LocalJob, address: str, progress: Progress) -> pb.RunReport:
-    try:
-        channel, stub = inspect.connect(address, timeout_s=30)
-    except inspect.ControllerUnreachable as exc:
-        raise LaunchError(str(exc)) from None
-    controller = job.processes["controller"]
+def _watch(job: LocalJob, addresses: list[str], progress: Progress) -> pb.RunReport:
+    """Follow the job through the leading controller, to the new one after a failover."""
+    controllers = [n for n in job.processes if n.startswith("controller")]
     after = 0
+    channel = None
     try:
         while True:
-            if controller.poll() is not None:
-                raise LaunchError(f"the controller died (exit code {controller.returncode}): "
-                                  f"{job.log_tail('controller')}")
+            alive = [n for n in controllers if job.processes[n].poll() is None]
+            if not alive:
+                name = controllers[0]
+                raise LaunchError(f"the controller died (exit code {job.processes[name].returncode})"
+                                  f": {job.log_tail(name)}")
+            if channel is None:
+                try:
+                    channel, stub = inspect.connect_leader(",".join(addresses), timeout_s=30)
+                except inspect.ControllerUnreachable as exc:
+                    raise LaunchError(str(exc)) from None
             try:
+                status = stub.Status(pb.StatusRequest(), timeout=5)
+                if status.role == "standby":
+                    raise _NotLeader
                 for event in stub.Events(pb.EventsRequest(after_seq=after), timeout=5).events:
                     progress.event(event)
                     after = event.seq
-                status = stub.Status(pb.StatusRequest(), timeout=5)
-            except grpc.RpcError:
+            except (grpc.RpcError, _NotLeader):
+                channel.close()
+                channel = None
                 time.sleep(0.1)
                 continue
             progress.status(status)
@@ -215,4 +242,9 @@ def _watch(job: LocalJob, address: str, progress: Progress) -> pb.RunReport:
                                       f"{job.log_tail(dead[0])}")
             time.sleep(0.2)
     finally:
-        channel.close()
+        if channel is not None:
+            channel.close()
+
+
+class _NotLeader(Exception):
+    """The controller answering is a standby (the leader changed)."""

@@ -46,6 +46,9 @@ def build_parser() -> Parser:
     run.add_argument("--store", default="memory://",
                      help="controller state store: memory:// (default) or etcd://HOST:PORT[,...]")
     bench.add_run_mode_arguments(run)
+    run.add_argument("--controllers", type=int, default=1,
+                     help="controller processes (one leads, the others stand by; needs an etcd "
+                          "--store when more than 1)")
 
     ctl = sub.add_parser("controller", help="run the controller of a job")
     add_job_arguments(ctl)
@@ -62,10 +65,18 @@ def build_parser() -> Parser:
                      help="seconds to wait for every replica to be ready")
     ctl.add_argument("--linger", type=positive_seconds, default=None,
                      help="exit this many seconds after the job ends (default: keep serving)")
+    ctl.add_argument("--advertise", default=None,
+                     help="HOST:PORT agents reach this controller at (default: --host and the port)")
+    ctl.add_argument("--controller-id", default=None,
+                     help="this controller's name in the leader election (default: host-pid)")
+    ctl.add_argument("--lease-ttl", type=int, default=2,
+                     help="leader lease TTL in whole seconds (a crashed leader is replaced after it)")
 
     agent = sub.add_parser("agent", help="run one host's workers",
                            usage="recover agent --controller HOST:PORT --slots N [-- COMMAND ...]")
-    agent.add_argument("--controller", required=True, help="HOST:PORT of the controller")
+    agent.add_argument("--controller", required=True,
+                       help="HOST:PORT of the controller, or HOST:PORT,HOST:PORT,... of every "
+                            "controller of the job (the agent follows the leader)")
     agent.add_argument("--slots", type=int, default=1, help="worker slots on this host")
     agent.add_argument("--agent-id", default=None, help="unique name (default: host + random)")
     agent.add_argument("--log-dir", default=None, help="write worker output to LOG_DIR/replica-N.log")
@@ -79,7 +90,8 @@ def build_parser() -> Parser:
     for name, helptext in (("status", "show a running job's state"),
                            ("events", "show a running job's events")):
         p = sub.add_parser(name, help=helptext)
-        p.add_argument("--controller", default="127.0.0.1:50051", help="HOST:PORT")
+        p.add_argument("--controller", default="127.0.0.1:50051",
+                       help="HOST:PORT, or a comma-separated list (the leader among them answers)")
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.add_argument("--timeout", type=positive_seconds, default=5.0,
                        help="seconds to wait for the controller to answer")
@@ -100,6 +112,14 @@ def build_parser() -> Parser:
     return parser
 
 
+def parse_addresses(text: str, flag: str = "--controller") -> list[str]:
+    """HOST:PORT[,HOST:PORT...] -> the list; UsageError naming the bad part."""
+    parts = [part.strip() for part in text.split(",")]
+    if not all(parts):
+        raise UsageError(f"{flag} {text!r} has an empty address")
+    return [parse_address(part, flag) for part in parts]
+
+
 def _run_controller(args: argparse.Namespace) -> int:
     from recover.common import logs
     from recover.controller.server import ControllerConfig, serve
@@ -108,6 +128,10 @@ def _run_controller(args: argparse.Namespace) -> int:
     job = job_from_args(args)
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port {args.port} is not a port number")
+    if args.advertise is not None:
+        parse_address(args.advertise, "--advertise")
+    if not 2 <= args.lease_ttl <= 60:
+        raise UsageError(f"--lease-ttl must be 2..60 seconds, got {args.lease_ttl}")
     try:
         open_store(args.store)
     except StoreError as exc:
@@ -116,7 +140,8 @@ def _run_controller(args: argparse.Namespace) -> int:
     config = ControllerConfig(host=args.host, port=args.port, port_file=args.port_file,
                               store_url=args.store, agent_timeout_s=args.agent_timeout,
                               start_timeout_s=args.start_timeout, linger_s=args.linger,
-                              metrics_port=args.metrics_port)
+                              metrics_port=args.metrics_port, advertise=args.advertise,
+                              controller_id=args.controller_id, lease_ttl_s=args.lease_ttl)
     try:
         return asyncio.run(serve(config, job))
     except OSError as exc:
@@ -128,7 +153,7 @@ def _run_agent(args: argparse.Namespace) -> int:
     from recover.agent.daemon import Agent, AgentConfig, AgentError
     from recover.common import logs
 
-    parse_address(args.controller)
+    parse_addresses(args.controller)
     if args.slots < 1:
         raise UsageError(f"--slots must be at least 1, got {args.slots}")
     command = args.worker_command[1:] if args.worker_command[:1] == ["--"] else args.worker_command
@@ -174,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from recover.cli import inspect
 
-        parse_address(args.controller)
+        parse_addresses(args.controller)
         return inspect.main(args)
     except UsageError as exc:
         print(str(exc), file=sys.stderr)

@@ -15,76 +15,28 @@ accumulated microbatches, take the lost ones, and reduce again.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-import struct
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from enum import StrEnum
+from collections.abc import Callable
 
 from recover.controller import policy
 from recover.controller.events import EventLog
+from recover.controller.jobstate import (
+    TERMINAL,
+    AgentInfo,
+    JobState,
+    RegistrationRefused,
+    ReplicaInfo,
+    StepProgress,
+    sample_digest,
+)
 from recover.controller.store import Store
+from recover.controller.takeover import PersistedJob, Takeover
 from recover.proto import pb
 
 log = logging.getLogger("recover.controller")
 
 Send = Callable[[str, pb.ControllerMessage], None]
-
-
-class JobState(StrEnum):
-    """Lifecycle of the job.
-
-    WAITING -> RUNNING    every expected replica attached and reported ready
-    WAITING -> FAILED     a worker exited before training started, or start timed out
-    RUNNING -> SUCCEEDED  every live replica applied the final step
-    RUNNING -> FAILED     no live replica left, or a commit broke the invariant
-    """
-
-    WAITING = "waiting"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-
-
-TERMINAL = (JobState.SUCCEEDED, JobState.FAILED)
-
-
-class RegistrationRefused(Exception):
-    """An agent asked to join a job that cannot take it; the message says why."""
-
-
-@dataclass
-class ReplicaInfo:
-    replica_id: int
-    agent_id: str
-    ready: bool = False
-    alive: bool = True
-    pid: int = 0
-
-
-@dataclass
-class AgentInfo:
-    agent_id: str
-    host: str
-    replicas: list[int]
-    last_heartbeat: float
-    alive: bool = True
-
-
-def sample_digest(sample_ids: Iterable[int]) -> str:
-    """Ledger entry of a step: sha256 of its sorted sample ids as little-endian int64."""
-    ids = sorted(sample_ids)
-    return hashlib.sha256(struct.pack(f"<{len(ids)}q", *ids)).hexdigest()
-
-
-@dataclass
-class _StepProgress:
-    """What the current, uncommitted step has gathered in the current generation."""
-
-    reduced: dict[int, pb.Reduced] = field(default_factory=dict)
-    resumed: dict[int, float] = field(default_factory=dict)
 
 
 class Coordinator:
@@ -117,7 +69,7 @@ class Coordinator:
         self.scale_epoch = 0
         """Exact reduction: overflow redos of the current step so far."""
         self.redos = 0
-        self._progress = _StepProgress()
+        self._progress = StepProgress()
         self.steps: list[pb.StepRecord] = []
         self.failures: list[pb.FailureRecord] = []
         self._unrecovered: list[pb.FailureRecord] = []
@@ -133,10 +85,32 @@ class Coordinator:
         self.started_at = 0.0
         self.finished_at = 0.0
         self.done = asyncio.Event()
+        self.takeover: Takeover | None = None
+        """Set while a new leader waits for the agents to rejoin (see takeover.py)."""
+
+    def restore(self, persisted: PersistedJob) -> None:
+        """Take over from a previous leader: rebuild the job's state from what it persisted."""
+        # The agents notice the old leader's silence about when we win the
+        # election; give them their own timeout and then some to rejoin.
+        self.takeover = Takeover(self, persisted, self._clock() + 2 * self._agent_timeout_s)
+
+    def send_to(self, agent_id: str, message: pb.ControllerMessage) -> None:
+        self._send(agent_id, message)
 
     # ------------------------------------------------------------ agents
 
-    async def register_agent(self, agent_id: str, host: str, slots: int) -> list[int]:
+    async def register_agent(self, agent_id: str, host: str, slots: int,
+                             resume: list[int] | None = None) -> list[int]:
+        """A new agent joins (`resume` None), or one whose workers kept running rejoins a new leader."""
+        if resume is not None:
+            if self.takeover is None:
+                raise RegistrationRefused(f"agent {agent_id!r} cannot rejoin: this leader has run "
+                                          "the job since it started and did not expect it")
+            ids = await self.takeover.rejoin(agent_id, host, resume)
+            await self._maybe_end_takeover()
+            return ids
+        if self.takeover is not None and self.takeover.persisted.view is not None:
+            raise RegistrationRefused(f"job {self.job.job_id} is taking over after a leader change")
         if self.state is not JobState.WAITING:
             raise RegistrationRefused(
                 f"job {self.job.job_id} is {self.state}; replicas cannot join a started job yet"
@@ -156,11 +130,18 @@ class Coordinator:
         self.agents[agent_id] = AgentInfo(agent_id, host, ids, self._clock())
         for replica in ids:
             self.replicas[replica] = ReplicaInfo(replica, agent_id)
+        # Persisted before the agent learns its replicas: a new leader must know who hosts them.
+        record = pb.AgentRecord(agent_id=agent_id, host=host, replica_ids=ids)
+        await self._store.put_many([(self._prefix + "job", self.job.SerializeToString()),
+                                    (f"{self._prefix}agents/{agent_id}", record.SerializeToString())])
         self.events.emit("agent-registered", f"agent {agent_id} on {host}: replicas {ids}")
         self._send(agent_id, pb.ControllerMessage(
             registered=pb.Registered(replica_ids=ids, job=self.job)))
-        await self._store.put(self._prefix + "job", self.job.SerializeToString())
         return ids
+
+    async def _maybe_end_takeover(self) -> None:
+        if self.takeover is not None and self.takeover.ready_to_finish():
+            await self.takeover.finish()
 
     def heartbeat(self, agent_id: str) -> None:
         agent = self.agents.get(agent_id)
@@ -181,11 +162,12 @@ class Coordinator:
             reason=f"this agent was declared lost ({why})", success=False)))
         lost = [r for r in agent.replicas if self.replicas[r].alive]
         for replica in lost:
-            self._record_failure(replica, "agent-lost", None)
+            self.record_failure(replica, "agent-lost", None)
         await self._lose(lost, f"agent {agent_id} lost ({why})")
 
     async def check_liveness(self) -> None:
         """Declare agents whose heartbeats went silent lost."""
+        await self._maybe_end_takeover()
         now = self._clock()
         for agent in list(self.agents.values()):
             silent = now - agent.last_heartbeat
@@ -193,7 +175,7 @@ class Coordinator:
                 await self.agent_lost(agent.agent_id, f"no heartbeat for {silent:.1f}s")
         if self.state is JobState.WAITING and now - self.created_at > self.start_timeout_s:
             ready = sum(r.ready for r in self.replicas.values())
-            await self._fail(
+            await self.fail(
                 f"only {ready} of {self.job.replicas} replicas were ready after "
                 f"{self.start_timeout_s:.0f}s (are the agents running?)"
             )
@@ -223,10 +205,10 @@ class Coordinator:
             cause = "watchdog"
         else:
             cause = "injected" if exited.HasField("fault") else "external"
-        self._record_failure(exited.replica, cause, exited)
+        self.record_failure(exited.replica, cause, exited)
         if self.state is JobState.WAITING:
             info.alive = False
-            await self._fail(f"replica {exited.replica} exited ({how}) before training started")
+            await self.fail(f"replica {exited.replica} exited ({how}) before training started")
             return
         await self._lose([exited.replica], f"replica {exited.replica} exited ({how})")
 
@@ -269,6 +251,8 @@ class Coordinator:
             self.stale_reports += 1
             return
         record = self.steps[msg.step]
+        if any(d.replica == replica for d in record.param_sha256):
+            return  # replayed to a new leader that already had it from the store
         record.param_sha256.append(pb.ReplicaDigest(replica=replica, param_sha256=msg.param_sha256))
         waits = sorted([*self._commit_waits.get(msg.step, []), msg.commit_wait_s])
         self._commit_waits[msg.step] = waits
@@ -277,7 +261,7 @@ class Coordinator:
         if len(digests) > 1:
             self.events.emit("divergence", f"replicas disagree on parameters after step {msg.step}",
                              step=msg.step, level=logging.ERROR)
-        await self._maybe_finish()
+        await self.maybe_finish()
 
     # ------------------------------------------------------------ transitions
 
@@ -287,13 +271,13 @@ class Coordinator:
         members = sorted(self.replicas)
         decision = policy.uniform_plan(members, self.job.global_microbatches)
         self.events.emit("started", f"{len(members)} replicas; {decision.reason}")
-        await self._new_generation(members, decision)
+        await self.new_generation(members, decision)
 
-    async def _new_generation(self, members: list[int], decision: policy.PlanDecision) -> None:
+    async def new_generation(self, members: list[int], decision: policy.PlanDecision) -> None:
         self.generation += 1
         self.members = members
         self.plan = dict(decision.assignment)
-        self._progress = _StepProgress()
+        self._progress = StepProgress()
         self._rebuild_s = {}
         self._generation_started_at = self._clock()
         view = pb.GenerationView(
@@ -302,31 +286,31 @@ class Coordinator:
         await self._store.put(self._prefix + "generation", view.SerializeToString())
         self.events.emit("generation", f"members {members}; {decision.reason}",
                          step=self.step, generation=self.generation)
-        self._broadcast(pb.ControllerMessage(generation=view))
+        self.broadcast(pb.ControllerMessage(generation=view))
 
     async def _lose(self, lost: list[int], why: str) -> None:
         for replica in lost:
             self.replicas[replica].alive = False
-        if self.state in TERMINAL or not lost:
-            return
+        if self.state in TERMINAL or not lost or self.takeover is not None:
+            return  # during a takeover, its end plans around every replica lost meanwhile
         if self.state is JobState.WAITING:
-            await self._fail(f"{why} before training started")
+            await self.fail(f"{why} before training started")
             return
         survivors = [m for m in self.members if self.replicas[m].alive]
         if not survivors:
-            await self._fail(f"all replicas lost (last: {why})")
+            await self.fail(f"all replicas lost (last: {why})")
             return
         if self.step >= self.job.steps:
             # The final step is committed; only its acknowledgements are pending.
             self.members = survivors
-            await self._maybe_finish()
+            await self.maybe_finish()
             return
         self.recoveries += 1
         if self.job.policy == "drop":
             decision = policy.drop_lost(self.plan, lost, survivors)
         else:
             decision = policy.reassign_lost(self.plan, lost, survivors)
-        await self._new_generation(survivors, decision)
+        await self.new_generation(survivors, decision)
 
     async def _commit(self) -> None:
         reports = [self._progress.reduced[m] for m in self.members]
@@ -338,7 +322,7 @@ class Coordinator:
         problem = policy.check_plan(assignment, self.job.global_microbatches,
                                     planned if self.job.policy == "drop" else None)
         if problem is not None:
-            await self._fail(f"refusing to commit step {self.step}: {problem}")
+            await self.fail(f"refusing to commit step {self.step}: {problem}")
             return
         losses = {r.loss for r in reports}
         if len(losses) > 1:
@@ -353,8 +337,14 @@ class Coordinator:
             tokens=job.global_microbatches * job.microbatch_size * job.model.seq_len,
             compute_s=max(r.compute_s for r in reports), reduce_s=min(r.reduce_s for r in reports))
         # Durable before anyone applies: a new leader must know this step committed.
+        # The previous record rides along in the same write with the parameter
+        # digests its members reported since (no extra round trip per step).
         before_store = self._clock()
-        await self._store.put(f"{self._prefix}steps/{self.step:010d}", record.SerializeToString())
+        writes = [(f"{self._prefix}steps/{self.step:010d}", record.SerializeToString())]
+        if self.steps:
+            previous = self.steps[-1]
+            writes.append((f"{self._prefix}steps/{previous.step:010d}", previous.SerializeToString()))
+        await self._store.put_many(writes)
         if self._pending_timing is not None:
             timing, self._pending_timing = self._pending_timing, None
             resumed_at = timing.pop("resumed_at")
@@ -371,7 +361,7 @@ class Coordinator:
             self.plan = dict(decision.assignment)
             commit.next_plan.CopyFrom(self._plan_message(self.step, decision))
         self._progress.reduced.clear()
-        self._broadcast(pb.ControllerMessage(commit=commit))
+        self.broadcast(pb.ControllerMessage(commit=commit))
 
     async def _redo_overflowed_step(self, reports: list[pb.Reduced]) -> None:
         """Exact reduction overflowed its predicted scale: redo the step at a lower one.
@@ -383,25 +373,26 @@ class Coordinator:
         overflowed = max(r.overflow for r in reports)
         redo = policy.overflow_redo(self.step, self.scale_epoch, overflowed)
         if not redo.redo:
-            await self._fail(redo.reason)
+            await self.fail(redo.reason)
             return
         self.scale_epoch = redo.scale_epoch
         self.redos += 1
-        await self._new_generation(list(self.members), policy.PlanDecision(dict(self.plan), redo.reason))
+        await self.new_generation(list(self.members), policy.PlanDecision(dict(self.plan), redo.reason))
 
-    async def _maybe_finish(self) -> None:
+    async def maybe_finish(self) -> None:
         if self.state is not JobState.RUNNING or self.step < self.job.steps:
             return
         last = self.steps[-1]
         applied = {d.replica for d in last.param_sha256}
         if set(self.members) <= applied:
+            await self._store.put(f"{self._prefix}steps/{last.step:010d}", last.SerializeToString())
             self.state = JobState.SUCCEEDED
             self.finished_at = self._clock()
             self.reason = f"{len(self.steps)} steps committed"
             self.events.emit("succeeded", self.reason)
             await self._end(success=True)
 
-    async def _fail(self, reason: str) -> None:
+    async def fail(self, reason: str) -> None:
         if self.state in TERMINAL:
             return
         self.state = JobState.FAILED
@@ -412,7 +403,9 @@ class Coordinator:
         await self._end(success=False)
 
     async def _end(self, success: bool) -> None:
-        shutdown = pb.ControllerMessage(shutdown=pb.Shutdown(reason=self.reason, success=success))
+        result = pb.Shutdown(reason=self.reason, success=success)
+        await self._store.put(self._prefix + "result", result.SerializeToString())
+        shutdown = pb.ControllerMessage(shutdown=result)
         for agent in self.agents.values():
             if agent.alive:
                 self._send(agent.agent_id, shutdown)
@@ -424,7 +417,7 @@ class Coordinator:
     def now(self) -> float:
         return self._clock()
 
-    def _broadcast(self, message: pb.ControllerMessage) -> None:
+    def broadcast(self, message: pb.ControllerMessage) -> None:
         """Send to every live agent that hosts a member of the current generation."""
         targets = {self.replicas[m].agent_id for m in self.members}
         for agent_id in sorted(targets):
@@ -445,16 +438,18 @@ class Coordinator:
             return "rebuild"
         return "commit" if replica in self._progress.reduced else "compute"
 
-    def _record_failure(self, replica: int, cause: str, exited: pb.WorkerExited | None) -> None:
+    def record_failure(self, replica: int, cause: str, exited: pb.WorkerExited | None,
+                       phase: str = "") -> None:
         now = self._clock()
         record = pb.FailureRecord(
             step=self.step, replica=replica, cause=cause, detected_at=now,
-            generation=self.generation, phase=self._observed_phase(replica))
+            generation=self.generation, phase=phase or self._observed_phase(replica))
         if exited is not None and exited.HasField("fault"):
             record.phase = exited.fault.phase
             record.killed_at = exited.fault.killed_at
             record.step = exited.fault.step
         self.failures.append(record)
+        self.events.defer(f"{self._prefix}failures/{len(self.failures):06d}", record.SerializeToString())
         if self.state is JobState.RUNNING:
             self._unrecovered.append(record)
         detail = f" ({exited.killed_by_agent})" if exited is not None and exited.killed_by_agent else ""

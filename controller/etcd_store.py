@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TypeVar
 
 import aetcd
 import aetcd.exceptions
 
-from recover.controller.store import Store, StoreError
+from recover.controller.store import Compare, Store, StoreError, Write
 
 log = logging.getLogger("recover.controller")
 
@@ -115,6 +115,37 @@ class EtcdStore(Store):
             raise StoreError(f"etcd at {self.description}: compare-and-put of {key} "
                              f"failed: {type(exc).__name__}") from None
         return bool(succeeded)
+
+    async def transaction(self, compares: Sequence[Compare], writes: Sequence[Write]) -> bool:
+        txn = self._client.transactions
+        checks = [txn.version(k.encode()) == 0 if v is None else txn.value(k.encode()) == bytes(v)
+                  for k, v in compares]
+        ops = [txn.put(w.key.encode(), bytes(w.value), lease=w.lease or None) for w in writes]
+
+        async def run() -> bool:
+            succeeded, _ = await self._client.transaction(compare=checks, success=ops, failure=[])
+            return bool(succeeded)
+
+        return await self._retry("write", run)
+
+    async def grant_lease(self, ttl_s: int) -> int:
+        lease = await self._retry("grant a lease", lambda: self._client.lease(ttl_s))
+        return int(lease.id)
+
+    async def refresh_lease(self, lease: int) -> bool:
+        """One keep-alive round trip, not retried: the caller's lease clock decides."""
+        try:
+            reply = await self._client.refresh_lease(lease)
+        except RETRYABLE as exc:
+            raise StoreError(f"etcd at {self.description}: lease keep-alive failed: "
+                             f"{type(exc).__name__}") from None
+        return reply is not None and reply.TTL > 0
+
+    async def revoke_lease(self, lease: int) -> None:
+        try:
+            await self._client.revoke_lease(lease)
+        except aetcd.exceptions.ClientError:
+            pass  # already gone, or etcd away: then it expires on its own within its TTL
 
     async def ping(self) -> None:
         """Fail with StoreError unless etcd answers within the retry window."""

@@ -56,6 +56,14 @@ class EventLog:
         )
         return event
 
+    def defer(self, key: str, value: bytes) -> None:
+        """Write `key` with the next flush (off the critical path, like the events)."""
+        self._pending.append((key, value))
+
+    def restore(self, events: list[pb.Event]) -> None:
+        """Continue the log a previous leader persisted (numbering goes on from its last event)."""
+        self._events = sorted(events, key=lambda e: e.seq)
+
     async def flush(self) -> None:
         """Persist the events emitted since the last flush."""
         if self._pending:

@@ -19,7 +19,9 @@ walks the coordinator's state. Names (all prefixed `recover_`):
 | `recover_heartbeat_age_seconds` | gauge, by agent | time since the agent was last heard |
 | `recover_fenced_messages_total` | counter | stale reports refused (older generation or step) |
 | `recover_exact_redos_total` | counter | steps redone after an exact-reduction overflow |
-| `recover_leader_term` | gauge | leadership term (0: single controller) |
+| `recover_leader_term` | gauge | leadership term of the leading controller (1 for the first leader) |
+| `recover_controller_is_leader` | gauge | 1 on the leading controller, 0 on a standby (every controller) |
+| `recover_controller_fenced_writes_total` | counter | store writes refused: no longer the leader |
 | `recover_job_state` | gauge, by state | 1 for the job's current state |
 """
 
@@ -37,6 +39,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from recover.controller.coordinator import Coordinator, JobState
+from recover.controller.leader import LeaderElection
 
 RECOVERY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 PHASES = ("detect", "plan", "rebuild", "recompute", "commit")
@@ -105,3 +108,16 @@ class ControllerCollector(Collector):
         for value in JobState:
             state.add_metric([str(value)], 1.0 if c.state is value else 0.0)
         yield state
+
+
+class RoleCollector(Collector):
+    """What every controller exports, leading or standing by."""
+
+    def __init__(self, election: LeaderElection) -> None:
+        self._election = election
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("recover_controller_is_leader", "1 while this controller leads",
+                                value=1.0 if self._election.holds() else 0.0)
+        yield CounterMetricFamily("recover_controller_fenced_writes", "Writes refused: not leader",
+                                  value=self._election.refused_writes)

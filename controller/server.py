@@ -7,20 +7,29 @@ import contextlib
 import logging
 import os
 import signal
+import socket
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
+from recover.controller import takeover
 from recover.controller.coordinator import Coordinator, JobState
-from recover.controller.metrics import ControllerCollector
+from recover.controller.leader import ElectionConfig, LeaderElection, LeaderStore, LostLeadership
+from recover.controller.metrics import ControllerCollector, RoleCollector
 from recover.controller.rendezvous import RendezvousHost
-from recover.controller.service import AgentSessions, ControlService
+from recover.controller.service import KEEPALIVE_SERVER_OPTIONS, AgentSessions, ControlService
 from recover.controller.store import Store, StoreError, open_store
 from recover.proto import pb, rpc
 
 log = logging.getLogger("recover.controller")
+
+T = TypeVar("T")
+
+FINISHED = "the job ended and the linger time is over"
 
 
 @dataclass(frozen=True)
@@ -32,7 +41,8 @@ class ControllerConfig:
     port_file: str | None = None
     """Where to write the chosen gRPC port once listening, for launchers and scripts."""
     store_url: str = "memory://"
-    """Where durable state lives: `memory://` (embedded, the default)."""
+    """Where durable state lives: `memory://` (embedded, the default) or `etcd://HOST:PORT[,...]`
+    (shared by every controller of the job: one leads, the others stand by)."""
     agent_timeout_s: float = 3.0
     """An agent silent for longer than this is declared lost with its replicas."""
     start_timeout_s: float = 120.0
@@ -41,6 +51,12 @@ class ControllerConfig:
     """Exit this long after the job ends (None: serve status until signalled)."""
     metrics_port: int | None = None
     """Serve Prometheus metrics on http://host:PORT/metrics (0: any free port; None: off)."""
+    advertise: str | None = None
+    """host:port agents and users reach this controller at (default: host and the bound port)."""
+    controller_id: str | None = None
+    """This controller's name in the election (default: hostname-pid)."""
+    lease_ttl_s: int = 2
+    """Leader lease TTL in seconds: a crashed leader is replaced about this long after."""
 
 
 async def wait_for_store(store: Store, url: str, retry_s: float = 2.0) -> None:
@@ -58,70 +74,138 @@ async def wait_for_store(store: Store, url: str, retry_s: float = 2.0) -> None:
 
 
 async def serve(config: ControllerConfig, job: pb.JobConfig) -> int:
-    """Serve until signalled (or `linger_s` after the job ends); exit code 0 unless it failed."""
+    """Serve until signalled (or `linger_s` after the job ends); exit code 0 unless it failed.
+
+    With a store shared by several controllers this one leads only while it
+    holds the leader lease; otherwise it stands by (answers status, refuses
+    agent sessions with the leader's address) and takes over when it can.
+    """
     rendezvous = RendezvousHost(config.host)
     store = open_store(config.store_url)
     await wait_for_store(store, config.store_url)
-    lock = asyncio.Lock()
-    sessions: AgentSessions | None = None
-
-    def send(agent_id: str, message: pb.ControllerMessage) -> None:
-        assert sessions is not None
-        sessions.send(agent_id, message)
-
-    coordinator = Coordinator(job, store, send, rendezvous.address,
-                              agent_timeout_s=config.agent_timeout_s)
-    coordinator.start_timeout_s = config.start_timeout_s
-    sessions = AgentSessions(coordinator, lock)
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    sessions = AgentSessions()
+    control = ControlService(sessions)
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *KEEPALIVE_SERVER_OPTIONS])
     rpc.add_AgentSessionServicer_to_server(sessions, server)
-    rpc.add_ControlServicer_to_server(ControlService(coordinator), server)
+    rpc.add_ControlServicer_to_server(control, server)
     try:
         port = server.add_insecure_port(f"{config.host}:{config.port}")
     except RuntimeError as exc:
         raise OSError(f"cannot listen on {config.host}:{config.port}: {exc}") from None
     await server.start()
-    metrics_port = None
+    address = config.advertise or f"{config.host}:{port}"
+    election = LeaderElection(store, job.job_id, address, config.controller_id or
+                              f"{socket.gethostname()}-{os.getpid()}",
+                              ElectionConfig(ttl_s=config.lease_ttl_s))
+    sessions.election = control.election = election
+    registry = CollectorRegistry()
+    registry.register(RoleCollector(election))
     if config.metrics_port is not None:
-        registry = CollectorRegistry()
-        registry.register(ControllerCollector(coordinator))
         metrics_server, _ = start_http_server(config.metrics_port, config.host, registry=registry)
-        metrics_port = metrics_server.server_port
-        log.info("metrics on http://%s:%d/metrics", config.host, metrics_port)
+        log.info("metrics on http://%s:%d/metrics", config.host, metrics_server.server_port)
     if config.port_file:
         tmp = Path(f"{config.port_file}.tmp")
         tmp.write_text(str(port))
         os.replace(tmp, config.port_file)
-    log.info("controller listening on %s:%d (rendezvous %s, store %s)",
-             config.host, port, rendezvous.address, config.store_url)
+    log.info("controller %s listening on %s (rendezvous %s, store %s)", election.controller_id,
+             address, rendezvous.address, config.store_url)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    coordinator: Coordinator | None = None
+    try:
+        while not stop.is_set():
+            if await _until(election.campaign(), stop) is None:
+                break
+            coordinator = await _lead(config, job, election, sessions, rendezvous, registry)
+            ended = await _until(_serve_term(config, coordinator, election, sessions), stop)
+            if ended is None or ended == FINISHED:
+                break
+            # Deposed: this term's state is stale; drop it and stand by again.
+            log.warning("standing down from term %d: %s", election.term, ended,
+                        extra={"term": election.term})
+            sessions.release()
+            coordinator = None
+            election.stand_by()
+    finally:
+        with contextlib.suppress(Exception):
+            if coordinator is not None and election.holds():
+                await coordinator.events.flush()
+        # Bounded: with the store gone, shutting down must not hang on it.
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(election.resign(), 2.0)  # a standby takes over at once
+        sessions.release()
+        await server.stop(grace=0.5)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(store.close(), 2.0)
+        rendezvous.close()
+    return 1 if coordinator is not None and coordinator.state is JobState.FAILED else 0
 
-    async def watch_liveness() -> None:
+
+async def _until(work: Coroutine[object, object, T], stop: asyncio.Event) -> T | None:
+    """Run `work` until it returns (its result) or `stop` is set (None)."""
+    task = asyncio.ensure_future(work)
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return None
+    return task.result()
+
+
+async def _lead(config: ControllerConfig, job: pb.JobConfig, election: LeaderElection,
+                sessions: AgentSessions, rendezvous: RendezvousHost,
+                registry: CollectorRegistry) -> Coordinator:
+    """Start a term: a coordinator on fenced writes, rebuilt from the store if a job is there."""
+    store = LeaderStore(election)
+    coordinator = Coordinator(job, store, sessions.send, rendezvous.address,
+                              agent_timeout_s=config.agent_timeout_s)
+    coordinator.start_timeout_s = config.start_timeout_s
+    persisted = await takeover.load(store, f"/recover/{job.job_id}/")
+    if not persisted.empty:
+        coordinator.restore(persisted)
+    sessions.lead(coordinator)
+    with contextlib.suppress(KeyError):
+        registry.unregister(sessions.collector)  # type: ignore[arg-type]
+    sessions.collector = ControllerCollector(coordinator, election.term)
+    registry.register(sessions.collector)
+    return coordinator
+
+
+async def _serve_term(config: ControllerConfig, coordinator: Coordinator,
+                      election: LeaderElection, sessions: AgentSessions) -> str:
+    """Lead until leadership is lost (returns why) or the job is over and lingered (FINISHED)."""
+
+    async def watch_liveness() -> str:
         while True:
             await asyncio.sleep(0.25)
-            async with lock:
-                await coordinator.check_liveness()
-                await coordinator.events.flush()
+            sessions.beat()
+            async with sessions.lock:
+                try:
+                    await coordinator.check_liveness()
+                    await coordinator.events.flush()
+                except LostLeadership as exc:
+                    return str(exc)
 
-    async def linger_after_done() -> None:
+    async def linger_after_done() -> str:
         await coordinator.done.wait()
-        if config.linger_s is not None:
-            await asyncio.sleep(config.linger_s)
-            stop.set()
+        await asyncio.sleep(config.linger_s if config.linger_s is not None else 1e9)
+        return FINISHED
 
-    tasks = [asyncio.create_task(watch_liveness()), asyncio.create_task(linger_after_done())]
+    async def deposed() -> str:
+        await sessions.deposed.wait()
+        return "a fenced write or send was refused"
+
+    tasks = [asyncio.create_task(t) for t in (election.keep_leading(), watch_liveness(),
+                                              deposed(), linger_after_done())]
     try:
-        await stop.wait()
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        return next(iter(done)).result()
     finally:
         for task in tasks:
             task.cancel()
-        await server.stop(grace=0.5)
-        await store.close()
-        rendezvous.close()
-    with contextlib.suppress(Exception):
-        await coordinator.events.flush()
-    return 1 if coordinator.state is JobState.FAILED else 0

@@ -4,36 +4,98 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import grpc
 
 from recover.controller.coordinator import Coordinator, RegistrationRefused
+from recover.controller.leader import LeaderElection, LostLeadership
+from recover.controller.store import StoreError
 from recover.proto import pb, rpc
 
 log = logging.getLogger("recover.controller")
+
+
+KEEPALIVE_SERVER_OPTIONS = [
+    # Agents ping every second to notice a stopped leader; let them.
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 500),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
 
 
 class AgentSessions(rpc.AgentSessionServicer):
     """Owns the per-agent outgoing queues and feeds reports into the coordinator.
 
     Every coordinator call runs under one lock: the coordinator awaits store
-    writes mid-transition and must not interleave two transitions.
+    writes mid-transition and must not interleave two transitions. A
+    controller that does not lead (a standby, or a leader that lost its lease)
+    has no coordinator: it refuses sessions and names the leader it knows of.
     """
 
-    def __init__(self, coordinator: Coordinator, lock: asyncio.Lock) -> None:
-        self._coordinator = coordinator
-        self._lock = lock
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.election: LeaderElection | None = None
+        self.collector: object | None = None
+        self.deposed = asyncio.Event()
+        """Set when a send or write was refused because the lease may be gone."""
+        self.refused_sends = 0
+        """Commands not sent because our lease may have expired (a deposed leader's)."""
+        self._coordinator: Coordinator | None = None
         self._queues: dict[str, asyncio.Queue[pb.ControllerMessage | None]] = {}
 
+    @property
+    def coordinator(self) -> Coordinator | None:
+        return self._coordinator
+
+    def lead(self, coordinator: Coordinator) -> None:
+        self._coordinator = coordinator
+        self.deposed.clear()
+
+    def release(self) -> None:
+        """Stop leading: end every agent stream so the agents look for the new leader."""
+        self._coordinator = None
+        for queue in self._queues.values():
+            queue.put_nowait(None)
+        self._queues.clear()
+
+    def beat(self) -> None:
+        """Tell every agent we still lead (they look for a new leader when this stops)."""
+        beat = pb.ControllerMessage(heartbeat=pb.Heartbeat(sent_at=time.time()))
+        for agent_id in list(self._queues):
+            self.send(agent_id, beat)
+
     def send(self, agent_id: str, message: pb.ControllerMessage) -> None:
+        election = self.election
+        if election is None or not election.holds():
+            # Never act on a lease that may be gone (we were stopped, or cut off):
+            # whatever we meant to say may contradict the new leader.
+            self.deposed.set()
+            self.refused_sends += 1
+            return
+        message.term = election.term
         queue = self._queues.get(agent_id)
         if queue is not None:
             queue.put_nowait(message)
 
+    async def _leader_hint(self) -> str:
+        election = self.election
+        try:
+            leader = await election.leader() if election is not None else None
+        except StoreError:
+            leader = None
+        if leader is None:
+            return "no leader right now (an election is under way); try again"
+        return f"not the leader; leader: {leader.address} (term {leader.term})"
+
     async def Session(  # noqa: N802 (gRPC method name)
         self, request_iterator: AsyncIterator[pb.AgentMessage], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ControllerMessage]:
+        coordinator = self._coordinator
+        if coordinator is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, await self._leader_hint())
+            return
         queue: asyncio.Queue[pb.ControllerMessage | None] = asyncio.Queue()
         agent_id: str | None = None
         refused: list[str] = []
@@ -46,12 +108,13 @@ class AgentSessions(rpc.AgentSessionServicer):
                     if kind == "register" and agent_id is None:
                         reg = message.register
                         self._queues[reg.agent_id] = queue
-                        async with self._lock:
+                        async with self.lock:
                             try:
-                                await self._coordinator.register_agent(
-                                    reg.agent_id, reg.host, reg.slots)
+                                await coordinator.register_agent(
+                                    reg.agent_id, reg.host, reg.slots,
+                                    list(reg.replica_ids) if reg.resume else None)
                             except RegistrationRefused as refusal:
-                                del self._queues[reg.agent_id]
+                                self._queues.pop(reg.agent_id, None)
                                 refused.append(str(refusal))
                                 return
                         agent_id = reg.agent_id
@@ -59,9 +122,11 @@ class AgentSessions(rpc.AgentSessionServicer):
                         refused.append("the first message of a session must be `register`")
                         return
                     else:
-                        await self._dispatch(agent_id, kind, message)
+                        await self._dispatch(coordinator, agent_id, kind, message)
             except (grpc.aio.AioRpcError, asyncio.CancelledError):
                 pass
+            except LostLeadership:
+                self.deposed.set()
             finally:
                 queue.put_nowait(None)
 
@@ -75,17 +140,23 @@ class AgentSessions(rpc.AgentSessionServicer):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refused[0])
         finally:
             reader.cancel()
-            if agent_id is not None:
-                self._queues.pop(agent_id, None)
-                async with self._lock:
-                    await self._coordinator.agent_lost(agent_id, "session closed")
+            if agent_id is not None and coordinator is self._coordinator:
+                if self._queues.get(agent_id) is queue:
+                    del self._queues[agent_id]
+                async with self.lock:
+                    try:
+                        await coordinator.agent_lost(agent_id, "session closed")
+                    except LostLeadership:
+                        self.deposed.set()
 
-    async def _dispatch(self, agent_id: str, kind: str | None, message: pb.AgentMessage) -> None:
-        coordinator = self._coordinator
+    async def _dispatch(self, coordinator: Coordinator, agent_id: str, kind: str | None,
+                        message: pb.AgentMessage) -> None:
         if kind == "heartbeat":
             coordinator.heartbeat(agent_id)
             return
-        async with self._lock:
+        async with self.lock:
+            if coordinator is not self._coordinator:
+                return  # this term is over
             coordinator.heartbeat(agent_id)  # any message proves the agent alive
             if kind == "worker_exited":
                 await coordinator.worker_exited(message.worker_exited)
@@ -103,19 +174,52 @@ class AgentSessions(rpc.AgentSessionServicer):
 
 
 class ControlService(rpc.ControlServicer):
-    """Read-only user API: status, events, the run's report."""
+    """Read-only user API: status, events, the run's report. A standby answers
+    status with its role and the leader's address, and refuses the rest."""
 
-    def __init__(self, coordinator: Coordinator) -> None:
-        self._coordinator = coordinator
+    def __init__(self, sessions: AgentSessions) -> None:
+        self._sessions = sessions
+        self.election: LeaderElection | None = None
 
-    async def Status(self, request: pb.StatusRequest, context: object) -> pb.JobStatus:  # noqa: N802
-        return job_status(self._coordinator)
+    async def _standby_status(self) -> pb.JobStatus:
+        election = self.election
+        status = pb.JobStatus(state="standby", role="standby")
+        try:
+            leader = await election.leader() if election is not None else None
+        except StoreError:
+            leader = None
+        if leader is not None:
+            status.leader, status.term = leader.address, leader.term
+            status.reason = f"standing by; leader {leader.address} (term {leader.term})"
+        else:
+            status.reason = "standing by; no leader right now"
+        return status
 
-    async def Events(self, request: pb.EventsRequest, context: object) -> pb.EventList:  # noqa: N802
-        return pb.EventList(events=self._coordinator.events.since(request.after_seq))
+    async def _leading(self, context: grpc.aio.ServicerContext) -> Coordinator:
+        coordinator = self._sessions.coordinator
+        if coordinator is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, (await self._standby_status()).reason)
+        assert coordinator is not None
+        return coordinator
 
-    async def Report(self, request: pb.ReportRequest, context: object) -> pb.RunReport:  # noqa: N802
-        c = self._coordinator
+    async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext  # noqa: N802
+                     ) -> pb.JobStatus:
+        coordinator = self._sessions.coordinator
+        if coordinator is None:
+            return await self._standby_status()
+        status = job_status(coordinator)
+        if self.election is not None:
+            status.role, status.term, status.leader = "leader", self.election.term, self.election.address
+        return status
+
+    async def Events(self, request: pb.EventsRequest, context: grpc.aio.ServicerContext  # noqa: N802
+                     ) -> pb.EventList:
+        coordinator = await self._leading(context)
+        return pb.EventList(events=coordinator.events.since(request.after_seq))
+
+    async def Report(self, request: pb.ReportRequest, context: grpc.aio.ServicerContext  # noqa: N802
+                     ) -> pb.RunReport:
+        c = await self._leading(context)
         return pb.RunReport(
             job=c.job, status=job_status(c), steps=c.steps, failures=c.failures,
             started_at=c.started_at, finished_at=c.finished_at)

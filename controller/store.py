@@ -9,15 +9,36 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import Iterable
+import itertools
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
 
 
 class StoreError(RuntimeError):
     """The store could not serve a request (unreachable, refused)."""
 
 
+class Write(NamedTuple):
+    """One put of a transaction."""
+
+    key: str
+    value: bytes
+    lease: int = 0
+    """Attach the key to this lease (0: none); the key goes when the lease does."""
+
+
+Compare = tuple[str, bytes | None]
+"""(key, value the key must hold) for a transaction; None: the key must be absent."""
+
+
 class Store(abc.ABC):
-    """Async key-value store with prefix reads and compare-and-swap."""
+    """Async key-value store with prefix reads, transactions and leases.
+
+    Leases and transactions are what leader election and fenced writes need
+    (controller/leader.py): a leader key lives as long as its lease, and every
+    write of a leader is a transaction that compares the leader key first.
+    """
 
     @abc.abstractmethod
     async def get(self, key: str) -> bytes | None:
@@ -43,6 +64,27 @@ class Store(abc.ABC):
     async def compare_and_put(self, key: str, expected: bytes | None, value: bytes) -> bool:
         """Put `value` only if the current value equals `expected` (None: absent)."""
 
+    @abc.abstractmethod
+    async def transaction(self, compares: Sequence[Compare], writes: Sequence[Write]) -> bool:
+        """Apply every write atomically if every compare holds; False (nothing written) if not.
+
+        Implementations may retry across transient failures, so writes must be
+        idempotent and a caller must expect a retry to find its own earlier
+        success (a compare that no longer holds).
+        """
+
+    @abc.abstractmethod
+    async def grant_lease(self, ttl_s: int) -> int:
+        """A new lease of `ttl_s` seconds; returns its id (never 0)."""
+
+    @abc.abstractmethod
+    async def refresh_lease(self, lease: int) -> bool:
+        """Extend the lease to its full TTL; False if it already expired or was revoked."""
+
+    @abc.abstractmethod
+    async def revoke_lease(self, lease: int) -> None:
+        """End the lease now, deleting its keys (no error when already gone)."""
+
     async def close(self) -> None:
         """Release connections."""
 
@@ -54,11 +96,27 @@ class MemoryStore(Store):
     to survive the controller's loss.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._data: dict[str, bytes] = {}
         self._lock = asyncio.Lock()
+        self._clock = clock
+        self._lease_ids = itertools.count(1)
+        self._leases: dict[int, tuple[float, int]] = {}
+        """lease id -> (expiry on `clock`, TTL in seconds)."""
+        self._leased_keys: dict[int, set[str]] = {}
+
+    def _expire(self) -> None:
+        now = self._clock()
+        for lease in [lid for lid, (expiry, _) in self._leases.items() if expiry <= now]:
+            self._drop_lease(lease)
+
+    def _drop_lease(self, lease: int) -> None:
+        self._leases.pop(lease, None)
+        for key in self._leased_keys.pop(lease, set()):
+            self._data.pop(key, None)
 
     async def get(self, key: str) -> bytes | None:
+        self._expire()
         return self._data.get(key)
 
     async def put(self, key: str, value: bytes) -> None:
@@ -71,6 +129,7 @@ class MemoryStore(Store):
         self._data.pop(key, None)
 
     async def get_prefix(self, prefix: str) -> list[tuple[str, bytes]]:
+        self._expire()
         return sorted((k, v) for k, v in self._data.items() if k.startswith(prefix))
 
     async def compare_and_put(self, key: str, expected: bytes | None, value: bytes) -> bool:
@@ -79,6 +138,34 @@ class MemoryStore(Store):
                 return False
             self._data[key] = bytes(value)
             return True
+
+    async def transaction(self, compares: Sequence[Compare], writes: Sequence[Write]) -> bool:
+        self._expire()
+        if any(self._data.get(key) != expected for key, expected in compares):
+            return False
+        if any(w.lease and w.lease not in self._leases for w in writes):
+            return False  # etcd refuses a put on an unknown lease; so do we
+        for w in writes:
+            self._data[w.key] = bytes(w.value)
+            if w.lease:
+                self._leased_keys.setdefault(w.lease, set()).add(w.key)
+        return True
+
+    async def grant_lease(self, ttl_s: int) -> int:
+        lease = next(self._lease_ids)
+        self._leases[lease] = (self._clock() + ttl_s, ttl_s)
+        return lease
+
+    async def refresh_lease(self, lease: int) -> bool:
+        self._expire()
+        if lease not in self._leases:
+            return False
+        ttl = self._leases[lease][1]
+        self._leases[lease] = (self._clock() + ttl, ttl)
+        return True
+
+    async def revoke_lease(self, lease: int) -> None:
+        self._drop_lease(lease)
 
 
 def open_store(url: str) -> Store:

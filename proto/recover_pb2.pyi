@@ -193,14 +193,22 @@ class WorkerReport(_message.Message):
     def __init__(self, replica: _Optional[int] = ..., ready: _Optional[_Union[Ready, _Mapping]] = ..., resumed: _Optional[_Union[Resumed, _Mapping]] = ..., reduced: _Optional[_Union[Reduced, _Mapping]] = ..., applied: _Optional[_Union[Applied, _Mapping]] = ...) -> None: ...
 
 class RegisterAgent(_message.Message):
-    __slots__ = ("agent_id", "host", "slots")
+    __slots__ = ("agent_id", "host", "slots", "resume", "replica_ids", "term", "generation")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_IDS_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     host: str
     slots: int
-    def __init__(self, agent_id: _Optional[str] = ..., host: _Optional[str] = ..., slots: _Optional[int] = ...) -> None: ...
+    resume: bool
+    replica_ids: _containers.RepeatedScalarFieldContainer[int]
+    term: int
+    generation: int
+    def __init__(self, agent_id: _Optional[str] = ..., host: _Optional[str] = ..., slots: _Optional[int] = ..., resume: _Optional[bool] = ..., replica_ids: _Optional[_Iterable[int]] = ..., term: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("sent_at",)
@@ -255,16 +263,20 @@ class Registered(_message.Message):
     def __init__(self, replica_ids: _Optional[_Iterable[int]] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ...) -> None: ...
 
 class ControllerMessage(_message.Message):
-    __slots__ = ("registered", "generation", "commit", "shutdown")
+    __slots__ = ("registered", "generation", "commit", "shutdown", "heartbeat", "term")
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
     registered: Registered
     generation: GenerationView
     commit: Commit
     shutdown: Shutdown
-    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., generation: _Optional[_Union[GenerationView, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
+    heartbeat: Heartbeat
+    term: int
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., generation: _Optional[_Union[GenerationView, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., term: _Optional[int] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("replica", "job")
@@ -290,6 +302,28 @@ class Ack(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class LeaderRecord(_message.Message):
+    __slots__ = ("term", "address", "controller_id", "elected_at")
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLER_ID_FIELD_NUMBER: _ClassVar[int]
+    ELECTED_AT_FIELD_NUMBER: _ClassVar[int]
+    term: int
+    address: str
+    controller_id: str
+    elected_at: float
+    def __init__(self, term: _Optional[int] = ..., address: _Optional[str] = ..., controller_id: _Optional[str] = ..., elected_at: _Optional[float] = ...) -> None: ...
+
+class AgentRecord(_message.Message):
+    __slots__ = ("agent_id", "host", "replica_ids")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_IDS_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    host: str
+    replica_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, agent_id: _Optional[str] = ..., host: _Optional[str] = ..., replica_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -303,7 +337,7 @@ class ReplicaLoad(_message.Message):
     def __init__(self, replica: _Optional[int] = ..., microbatches: _Optional[int] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("state", "reason", "generation", "steps_committed", "steps_total", "live_replicas", "load", "recoveries", "last_loss", "tokens", "elapsed_s", "agents", "job_id", "redos")
+    __slots__ = ("state", "reason", "generation", "steps_committed", "steps_total", "live_replicas", "load", "recoveries", "last_loss", "tokens", "elapsed_s", "agents", "job_id", "redos", "role", "term", "leader")
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -318,6 +352,9 @@ class JobStatus(_message.Message):
     AGENTS_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REDOS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
     state: str
     reason: str
     generation: int
@@ -332,7 +369,10 @@ class JobStatus(_message.Message):
     agents: int
     job_id: str
     redos: int
-    def __init__(self, state: _Optional[str] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., steps_committed: _Optional[int] = ..., steps_total: _Optional[int] = ..., live_replicas: _Optional[_Iterable[int]] = ..., load: _Optional[_Iterable[_Union[ReplicaLoad, _Mapping]]] = ..., recoveries: _Optional[int] = ..., last_loss: _Optional[float] = ..., tokens: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., agents: _Optional[int] = ..., job_id: _Optional[str] = ..., redos: _Optional[int] = ...) -> None: ...
+    role: str
+    term: int
+    leader: str
+    def __init__(self, state: _Optional[str] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., steps_committed: _Optional[int] = ..., steps_total: _Optional[int] = ..., live_replicas: _Optional[_Iterable[int]] = ..., load: _Optional[_Iterable[_Union[ReplicaLoad, _Mapping]]] = ..., recoveries: _Optional[int] = ..., last_loss: _Optional[float] = ..., tokens: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., agents: _Optional[int] = ..., job_id: _Optional[str] = ..., redos: _Optional[int] = ..., role: _Optional[str] = ..., term: _Optional[int] = ..., leader: _Optional[str] = ...) -> None: ...
 
 class EventsRequest(_message.Message):
     __slots__ = ("after_seq",)

@@ -1,0 +1,115 @@
+"""Finding the leading controller and opening the agent's session with it.
+
+An agent knows a list of controller addresses. A standby refuses a session
+(UNAVAILABLE) and names the leader it sees in the store; the agent tries
+that address first, then the rest of the list, until a leader answers with
+`registered` or the time runs out. gRPC keepalive pings make a stopped or
+cut-off leader visible within ~2 s (a killed one closes the stream at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from recover.agent.fencing import leader_hint
+from recover.proto import pb, rpc
+
+log = logging.getLogger("recover.agent")
+
+KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_time_ms", 1000),
+    ("grpc.keepalive_timeout_ms", 1000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
+class LinkError(Exception):
+    """No leader could be reached, or the leader refused this agent; the message says why."""
+
+
+@dataclass
+class Session:
+    channel: grpc.aio.Channel
+    call: grpc.aio.StreamStreamCall
+    upstream: asyncio.Queue[pb.AgentMessage | None]
+    registered: pb.Registered
+    address: str
+    term: int
+
+
+async def _requests(queue: asyncio.Queue[pb.AgentMessage | None]) -> AsyncIterator[pb.AgentMessage]:
+    while (message := await queue.get()) is not None:
+        yield message
+
+
+async def _attempt(address: str, first: list[pb.AgentMessage], attempt_s: float,
+                   reply_s: float) -> Session | str:
+    """One try at one address: the session, or why not (a leader hint, or a reason)."""
+    channel = grpc.aio.insecure_channel(address, options=KEEPALIVE_OPTIONS)
+    try:
+        await asyncio.wait_for(channel.channel_ready(), attempt_s)
+    except TimeoutError:
+        await channel.close()
+        return f"{address}: nothing answered"
+    queue: asyncio.Queue[pb.AgentMessage | None] = asyncio.Queue()
+    for message in first:
+        queue.put_nowait(message)
+    call = rpc.AgentSessionStub(channel).Session(_requests(queue))
+    try:
+        # Generous: a leader that answered the connect is alive, maybe busy (a
+        # registration waits for a durable store write); giving up on it would
+        # leave a half-registered agent behind.
+        reply = await asyncio.wait_for(call.read(), reply_s)
+    except grpc.aio.AioRpcError as exc:
+        await channel.close()
+        if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+            raise LinkError(f"the controller at {address} refused this agent: {exc.details()}"
+                            ) from None
+        return exc.details() or exc.code().name
+    except TimeoutError:
+        await channel.close()
+        return f"{address}: no answer to the session"
+    if reply is grpc.aio.EOF or reply.WhichOneof("kind") != "registered":
+        await channel.close()
+        return f"{address}: closed the session before registering us"
+    return Session(channel, call, queue, reply.registered, address, reply.term)
+
+
+async def open_session(addresses: list[str], first: list[pb.AgentMessage], timeout_s: float,
+                       attempt_s: float = 1.0, lost: str | None = None,
+                       reply_s: float = 10.0) -> Session:
+    """Try the addresses (a standby's leader hint first, the leader just `lost` last)
+    until a leader registers us."""
+    if lost in addresses:
+        addresses = [a for a in addresses if a != lost] + [lost]
+    deadline = time.monotonic() + timeout_s
+    hint: str | None = None
+    reasons: list[str] = []
+    while True:
+        order = ([hint] if hint else []) + [a for a in addresses if a != hint]
+        hint = None
+        for address in order:
+            outcome = await _attempt(address, first, min(attempt_s, max(deadline - time.monotonic(),
+                                                                       0.1)), reply_s)
+            if isinstance(outcome, Session):
+                log.info("session with the leader at %s (term %d)", address, outcome.term)
+                return outcome
+            reasons.append(outcome)
+            hint = hint or leader_hint(outcome)
+            if hint:
+                break
+        if time.monotonic() >= deadline:
+            if all("nothing answered" in r for r in reasons):
+                raise LinkError(f"cannot reach the controller at {','.join(addresses)} "
+                                f"(nothing answered within {timeout_s:.0f}s)")
+            raise LinkError(f"no leading controller among {','.join(addresses)} within "
+                            f"{timeout_s:.0f}s (last: {reasons[-1]})")
+        if not hint:
+            await asyncio.sleep(0.1)

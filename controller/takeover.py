@@ -1,0 +1,199 @@
+"""A new leader's first moments: rebuild the job from the store, let the agents rejoin.
+
+The old leader wrote everything a successor needs before acting on it: the
+job, each agent's replicas, every generation view before broadcasting it,
+every step record before broadcasting its commit. So the successor knows
+the committed steps, the last generation (its members and the plan of the
+step in flight) and who hosts which replica. It does not know which messages
+the old leader queued but never delivered; the takeover makes that moot:
+
+1. wait (bounded by the agent timeout) for the agents hosting live members
+   to rejoin; their workers never stopped. The missing ones are lost.
+2. re-send the commit of the last committed step: a worker still waiting for
+   it applies it; the agents drop it for workers that already did.
+3. start a new generation for the step in flight with the plan the workers
+   hold (survivors keep what they accumulated; a lost replica's microbatches
+   are reassigned), so the step still sums the same M microbatches.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from recover.controller import policy
+from recover.controller.jobstate import AgentInfo, JobState, RegistrationRefused, ReplicaInfo
+from recover.controller.store import Store
+from recover.proto import pb
+
+if TYPE_CHECKING:
+    from recover.controller.coordinator import Coordinator
+
+log = logging.getLogger("recover.controller")
+
+
+@dataclass
+class PersistedJob:
+    """What the store holds of a job (everything a new leader rebuilds from)."""
+
+    job: pb.JobConfig | None = None
+    view: pb.GenerationView | None = None
+    """The last generation, written before it was broadcast (None: the job never started)."""
+    steps: list[pb.StepRecord] = field(default_factory=list)
+    agents: list[pb.AgentRecord] = field(default_factory=list)
+    failures: list[pb.FailureRecord] = field(default_factory=list)
+    events: list[pb.Event] = field(default_factory=list)
+    result: pb.Shutdown | None = None
+    """How the job ended, when it did (a new leader then only serves its status)."""
+
+    @property
+    def empty(self) -> bool:
+        return self.job is None and not self.agents
+
+
+async def load(store: Store, prefix: str) -> PersistedJob:
+    raw_job = await store.get(prefix + "job")
+    raw_view = await store.get(prefix + "generation")
+    raw_result = await store.get(prefix + "result")
+
+    async def values(sub: str) -> list[bytes]:
+        return [v for _, v in await store.get_prefix(prefix + sub)]
+
+    return PersistedJob(
+        job=pb.JobConfig.FromString(raw_job) if raw_job else None,
+        view=pb.GenerationView.FromString(raw_view) if raw_view else None,
+        steps=[pb.StepRecord.FromString(v) for v in await values("steps/")],
+        agents=[pb.AgentRecord.FromString(v) for v in await values("agents/")],
+        failures=[pb.FailureRecord.FromString(v) for v in await values("failures/")],
+        events=[pb.Event.FromString(v) for v in await values("events/")],
+        result=pb.Shutdown.FromString(raw_result) if raw_result else None)
+
+
+def resume_plan(view: pb.GenerationView, committed: int, survivors: list[int],
+                global_microbatches: int, drop: bool = False) -> policy.PlanDecision:
+    """The plan of step `committed` for a new leader's first generation.
+
+    The workers hold the plan of the last view if it is for that step;
+    otherwise (steps committed since) the uniform plan over the view's members
+    that came with the last commit. Survivors keep their microbatches (they
+    may have accumulated them already); a lost member's are reassigned.
+    """
+    members = list(view.members)
+    if view.plan.step == committed:
+        held = {a.replica: tuple(a.microbatch_ids) for a in view.plan.assignments}
+        source = f"generation {view.generation}'s plan of step {committed}"
+    else:
+        held = dict(policy.uniform_plan(members, global_microbatches).assignment)
+        source = f"the uniform plan of step {committed} sent with the last commit"
+    lost = [m for m in members if m not in survivors]
+    if not lost:
+        return policy.PlanDecision(held, f"takeover: members keep {source}")
+    decide = policy.drop_lost if drop else policy.reassign_lost
+    decision = decide(held, lost, survivors)
+    return policy.PlanDecision(decision.assignment, f"takeover from {source}; {decision.reason}")
+
+
+class Takeover:
+    """Restores a coordinator from the store and runs the rejoin of the agents."""
+
+    def __init__(self, coordinator: Coordinator, persisted: PersistedJob, deadline: float) -> None:
+        self.c = coordinator
+        self.persisted = persisted
+        self.deadline = deadline
+        c, view = coordinator, persisted.view
+        now = c.now()
+        members = set(view.members) if view is not None else set()
+        for record in persisted.agents:
+            ids = list(record.replica_ids)
+            c.agents[record.agent_id] = AgentInfo(record.agent_id, record.host, ids, now, alive=False)
+            for r in ids:
+                c.replicas[r] = ReplicaInfo(r, record.agent_id, ready=view is not None,
+                                            alive=view is None or r in members)
+        self.expected = {a.agent_id for a in persisted.agents
+                         if view is None or members & set(a.replica_ids)}
+        self.rejoined: set[str] = set()
+        c.steps = list(persisted.steps)
+        c.step = len(c.steps)
+        c.failures = list(persisted.failures)
+        c.recoveries = len({f.generation for f in c.failures})
+        c.events.restore(persisted.events)
+        started = next((e.at for e in persisted.events if e.kind == "started"), 0.0)
+        c.started_at = started or (c.steps[0].committed_at if c.steps else 0.0)
+        if persisted.result is not None:
+            self.expected = set()
+            c.state = JobState.SUCCEEDED if persisted.result.success else JobState.FAILED
+            c.reason = persisted.result.reason
+            c.finished_at = c.steps[-1].committed_at if c.steps else now
+            c.done.set()
+        elif view is not None:
+            c.state = JobState.RUNNING
+            c.generation = view.generation
+            c.members = list(view.members)
+            c.scale_epoch = view.plan.scale_epoch if view.plan.step == c.step else 0
+        c.events.emit("takeover", f"rebuilt from the store: {c.step} steps committed, generation "
+                      f"{c.generation}, members {c.members}; waiting for "
+                      f"{len(self.expected)} agents to rejoin", step=c.step, generation=c.generation)
+
+    async def rejoin(self, agent_id: str, host: str, replicas: list[int]) -> list[int]:
+        """An agent whose workers kept running reconnects; returns its replica ids."""
+        c = self.c
+        agent = c.agents.get(agent_id)
+        if agent is None:
+            raise RegistrationRefused(f"agent {agent_id!r} is not part of job {c.job.job_id}")
+        if agent.alive:
+            raise RegistrationRefused(f"agent {agent_id!r} has already rejoined")
+        if agent_id not in self.expected:
+            raise RegistrationRefused(f"agent {agent_id!r} hosts no live replica of this job")
+        agent.alive, agent.host, agent.last_heartbeat = True, host, c.now()
+        for r in agent.replicas:
+            if r not in replicas and c.replicas[r].alive:
+                c.replicas[r].alive = False  # its worker died while no leader listened
+                c.record_failure(r, "external", None, phase="takeover")
+        self.rejoined.add(agent_id)
+        c.events.emit("agent-rejoined", f"agent {agent_id} on {host}: replicas {replicas} kept "
+                      "running", step=c.step, generation=c.generation)
+        c.send_to(agent_id, pb.ControllerMessage(
+            registered=pb.Registered(replica_ids=agent.replicas, job=c.job)))
+        return list(agent.replicas)
+
+    def ready_to_finish(self) -> bool:
+        return self.rejoined >= self.expected or self.c.now() >= self.deadline
+
+    async def finish(self) -> None:
+        """Every expected agent rejoined (or the wait ran out): carry on with the job."""
+        c, view = self.c, self.persisted.view
+        c.takeover = None
+        if self.persisted.result is not None:
+            return  # the job is over: nothing to carry on
+        missing = sorted(self.expected - self.rejoined)
+        lost = []
+        for agent_id in missing:
+            for r in c.agents[agent_id].replicas:
+                if c.replicas[r].alive:
+                    c.replicas[r].alive = False
+                    lost.append(r)
+                    c.record_failure(r, "agent-lost", None, phase="takeover")
+        if missing:
+            c.events.emit("agent-lost", f"agents {missing} did not rejoin the new leader",
+                          level=logging.WARNING)
+        if view is None:
+            return  # not started: the usual start (every replica ready) takes it from here
+        if c.steps:
+            last = c.steps[-1]
+            c.broadcast(pb.ControllerMessage(commit=pb.Commit(
+                step=last.step, generation=last.generation, final=c.step >= c.job.steps)))
+        survivors = [m for m in view.members if c.replicas[m].alive]
+        if not survivors:
+            await c.fail(f"no replica rejoined the new leader (expected agents {sorted(self.expected)})")
+            return
+        c.members = survivors
+        if c.step >= c.job.steps:
+            await c.maybe_finish()
+            return
+        if lost:
+            c.recoveries += 1
+        decision = resume_plan(view, c.step, survivors, c.job.global_microbatches,
+                               drop=c.job.policy == "drop")
+        c.plan = dict(decision.assignment)
+        await c.new_generation(survivors, decision)

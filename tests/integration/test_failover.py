@@ -1,0 +1,127 @@
+"""Controller failover on real etcd: kill -9, SIGTERM and SIGSTOP/SIGCONT of the leader.
+
+Each run trains with --reduce exact and two controllers; the leader is hit
+mid-training; the run must finish with the same samples and bitwise the same
+parameters after every step as a failure-free run on the memory store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from recover.cli.verify import compare
+from tests.etcd_cluster import EtcdCluster
+from tests.integration.conftest import recover_cmd, run_recover
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
+
+ARGS = ["--replicas", "4", "--steps", "30", "-M", "8", "-B", "2", "--seed", "11", "--quiet",
+        "--reduce", "exact", "--agents", "2"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    result = run_recover(tmp_path_factory.mktemp("failover-reference"), *ARGS)
+    assert result.returncode == 0, result.stderr
+    return result.summary
+
+
+def status(port_file: Path) -> Any:
+    from recover.proto import pb, rpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{port_file.read_text()}") as channel:
+        return rpc.ControlStub(channel).Status(pb.StatusRequest(), timeout=2)
+
+
+def controller_pid(out_dir: Path, name: str) -> int:
+    out = subprocess.run(["pgrep", "-f", "--", f"--port-file {out_dir}/{name}.port "],
+                         capture_output=True, text=True).stdout.split()
+    assert len(out) == 1, out
+    return int(out[0])
+
+
+def run_with_leader_hit(tmp_path: Path, sig: int) -> tuple[dict[str, Any], float, Path]:
+    """Start a 2-controller run, hit the leader with `sig` at step 8; return the summary,
+    the seconds from the hit until the standby led, and the logs folder."""
+    cluster = EtcdCluster(tmp_path / "etcd", 1).start()
+    out = tmp_path / "run"
+    proc = subprocess.Popen(recover_cmd("run", *ARGS, "--store", cluster.url, "--controllers", "2",
+                                        "--job-id", "failover", "--out", str(out)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    names = ("controller", "controller-1")
+    try:
+        deadline = time.monotonic() + 90
+        leader = None
+        while leader is None:
+            assert time.monotonic() < deadline and proc.poll() is None, "training did not start"
+            try:
+                states = {n: status(out / f"{n}.port") for n in names}
+                leader = next((n for n, s in states.items()
+                               if s.role == "leader" and s.steps_committed >= 8), None)
+            except (grpc.RpcError, FileNotFoundError, ValueError):
+                pass
+            time.sleep(0.05)
+        standby = next(n for n in names if n != leader)
+        pid = controller_pid(out, leader)
+        hit = time.monotonic()
+        os.kill(pid, sig)
+        while status(out / f"{standby}.port").role != "leader":
+            assert time.monotonic() - hit < 15, "the standby never took over"
+            time.sleep(0.02)
+        takeover_s = time.monotonic() - hit
+        if sig == signal.SIGSTOP:
+            time.sleep(1.0)  # the old leader sleeps through its lease and the takeover
+            os.kill(pid, signal.SIGCONT)
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0, stderr
+        return json.loads((out / "summary.json").read_text()), takeover_s, out / "logs"
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)  # the launcher stops its controllers and agents
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        cluster.stop()
+
+
+def assert_exact(summary: dict[str, Any], reference: dict[str, Any]) -> None:
+    verdict = compare(reference, summary)
+    assert verdict.identical, verdict.message
+    assert summary["param_sha256"] == reference["param_sha256"]
+    assert summary["failures"] == []  # no worker restarted or lost
+    assert max(summary["generation_per_step"]) >= 2  # the new leader made a generation
+
+
+def test_kill9_leader_standby_takes_over_and_result_is_exact(
+        tmp_path: Path, reference: dict[str, Any]) -> None:
+    summary, takeover_s, logs = run_with_leader_hit(tmp_path, signal.SIGKILL)
+    assert takeover_s < 3.5, takeover_s  # lease TTL 2 s + etcd's expiry tick
+    assert_exact(summary, reference)
+    agent_log = (logs / "agent-0.log").read_text()
+    assert "spawned worker" in agent_log and agent_log.count("spawned worker") == 2  # not restarted
+
+
+def test_sigterm_leader_hands_over_fast(tmp_path: Path, reference: dict[str, Any]) -> None:
+    summary, takeover_s, _ = run_with_leader_hit(tmp_path, signal.SIGTERM)
+    assert takeover_s < 1.0, takeover_s  # the lease is revoked: no TTL to wait for
+    assert_exact(summary, reference)
+
+
+def test_stopped_leader_wakes_up_deposed_and_changes_nothing(
+        tmp_path: Path, reference: dict[str, Any]) -> None:
+    summary, takeover_s, logs = run_with_leader_hit(tmp_path, signal.SIGSTOP)
+    assert takeover_s < 3.5, takeover_s
+    assert_exact(summary, reference)
+    controller_logs = (logs / "controller.log").read_text() + (logs / "controller-1.log").read_text()
+    # The woken leader noticed it lost the lease and stood down instead of acting.
+    assert "standing down from term 1" in controller_logs

@@ -1,0 +1,147 @@
+"""Leases, transactions and the election on MemoryStore; the pure fencing/lease/plan policies."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from recover.agent.fencing import judge, leader_hint, wants_commit
+from recover.controller.leader import (
+    ElectionConfig,
+    LeaderElection,
+    LeaderStore,
+    LostLeadership,
+    lease_verdict,
+)
+from recover.controller.store import MemoryStore, Write
+from recover.controller.takeover import resume_plan
+from recover.proto import pb
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_memory_lease_expires_and_takes_its_keys() -> None:
+    clock = Clock()
+    store = MemoryStore(clock)
+
+    async def scenario() -> None:
+        lease = await store.grant_lease(2)
+        assert await store.transaction([("k", None)], [Write("k", b"v", lease)])
+        assert not await store.transaction([("k", None)], [Write("k", b"w")])  # present now
+        clock.now += 1.5
+        assert await store.refresh_lease(lease)
+        clock.now += 1.5
+        assert await store.get("k") == b"v"  # refreshed: still alive
+        clock.now += 0.6
+        assert await store.get("k") is None
+        assert not await store.refresh_lease(lease)
+        assert not await store.transaction([], [Write("x", b"1", lease)])  # unknown lease
+        other = await store.grant_lease(2)
+        await store.transaction([], [Write("y", b"1", other)])
+        await store.revoke_lease(other)
+        assert await store.get("y") is None
+
+    asyncio.run(scenario())
+
+
+def test_election_terms_increase_and_a_deposed_leader_cannot_write() -> None:
+    clock = Clock()
+    store = MemoryStore(clock)
+    config = ElectionConfig(ttl_s=2, margin_s=0.3)
+
+    async def scenario() -> None:
+        a = LeaderElection(store, "j", "a:1", "a", config, clock)
+        b = LeaderElection(store, "j", "b:1", "b", config, clock)
+        assert await a.campaign() == 1
+        fenced_a = LeaderStore(a)
+        await fenced_a.put("/recover/j/x", b"1")
+        assert (await b.leader()).controller_id == "a"  # type: ignore[union-attr]
+        clock.now += 2.5  # a is stopped through its TTL
+        assert not a.holds()
+        assert await b.campaign() == 2
+        with pytest.raises(LostLeadership):
+            await fenced_a.put("/recover/j/x", b"2")  # local lease clock ran out
+        a._valid_until = clock.now + 10  # even if its clock lied, the store compare refuses
+        with pytest.raises(LostLeadership):
+            await fenced_a.put("/recover/j/x", b"2")
+        assert await store.get("/recover/j/x") == b"1"
+        await LeaderStore(b).put("/recover/j/x", b"3")
+        await b.resign()
+        c = LeaderElection(store, "j", "c:1", "c", config, clock)
+        assert await c.campaign() == 3  # revoked: no TTL to wait for
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("now", "valid_until", "refreshed", "leading", "why"), [
+    (1.0, 2.0, True, True, "refreshed"),
+    (1.0, 2.0, None, True, "still valid"),
+    (2.5, 2.0, None, False, "ran out"),
+    (1.0, 2.0, False, False, "gone"),
+    (2.5, 2.0, True, False, "ran out"),
+])
+def test_lease_verdict(now: float, valid_until: float, refreshed: bool | None, leading: bool,
+                       why: str) -> None:
+    verdict = lease_verdict(now, valid_until, refreshed)
+    assert verdict.leading is leading
+    assert why in verdict.reason
+
+
+@pytest.mark.parametrize(("kind", "term", "gen", "highest", "agent_gen", "accept", "why"), [
+    ("generation", 2, 5, 2, 4, True, "generation of term 2"),
+    ("generation", 1, 9, 2, 4, False, "deposed leader"),
+    ("generation", 2, 4, 2, 4, False, "not newer"),
+    ("commit", 2, 4, 2, 4, True, "commit of term 2"),
+    ("commit", 2, 3, 2, 4, False, "this agent is in generation 4"),
+    ("commit", 1, 4, 2, 4, False, "older than term 2"),
+    ("shutdown", 1, 0, 2, 4, False, "deposed leader"),
+    ("shutdown", 3, 0, 2, 4, True, "shutdown of term 3"),
+    ("heartbeat", 2, 0, 2, 4, True, "heartbeat"),
+])
+def test_agent_fencing(kind: str, term: int, gen: int, highest: int, agent_gen: int,
+                       accept: bool, why: str) -> None:
+    verdict = judge(kind, term, gen, highest, agent_gen)
+    assert verdict.accept is accept
+    assert why in verdict.reason
+
+
+@pytest.mark.parametrize(("step", "applied", "accept"), [(5, 4, True), (5, 5, False), (5, -1, True)])
+def test_resent_commit_goes_only_to_workers_that_need_it(step: int, applied: int,
+                                                         accept: bool) -> None:
+    assert wants_commit(step, applied).accept is accept
+
+
+@pytest.mark.parametrize(("details", "hint"), [
+    ("not the leader; leader: 10.0.0.2:50051 (term 3)", "10.0.0.2:50051"),
+    ("no leader right now (an election is under way); try again", None),
+])
+def test_leader_hint(details: str, hint: str | None) -> None:
+    assert leader_hint(details) == hint
+
+
+def view(step: int, assignment: dict[int, list[int]], generation: int = 3) -> pb.GenerationView:
+    return pb.GenerationView(generation=generation, members=sorted(assignment), plan=pb.Plan(
+        step=step, generation=generation,
+        assignments=[pb.Assignment(replica=r, microbatch_ids=ids) for r, ids in assignment.items()]))
+
+
+@pytest.mark.parametrize(("v", "committed", "survivors", "expected", "why"), [
+    pytest.param(view(7, {0: [0, 1, 5], 1: [2, 3, 4]}), 7, [0, 1],
+                 {0: (0, 1, 5), 1: (2, 3, 4)}, "keep generation 3's plan", id="in-flight-plan-kept"),
+    pytest.param(view(4, {0: [0, 1, 5], 1: [2, 3, 4]}), 7, [0, 1],
+                 {0: (0, 1, 2), 1: (3, 4, 5)}, "uniform plan of step 7", id="steps-since-uniform"),
+    pytest.param(view(7, {0: [0, 1], 1: [2, 3], 2: [4, 5]}), 7, [0, 2],
+                 {0: (0, 1, 2), 2: (4, 5, 3)}, "reassigned", id="lost-member-reassigned"),
+])
+def test_resume_plan(v: pb.GenerationView, committed: int, survivors: list[int],
+                     expected: dict[int, tuple[int, ...]], why: str) -> None:
+    decision = resume_plan(v, committed, survivors, 6)
+    assert decision.assignment == expected
+    assert why in decision.reason
