@@ -34,11 +34,15 @@ class JobFailed(Exception):
 
 def run_recover(out: Path, job_args: list[str], schedule: Schedule | None = None,
                 progress: Callable[[str], None] | None = None, label: str = "recover",
-                timeout_s: float = 600.0) -> dict[str, Any]:
+                timeout_s: float = 600.0, poll_s: float = 0.02) -> dict[str, Any]:
     """Run the job to its end; return its summary.json plus launch-relative times.
 
     Adds: launched_at, kills ([{slot, killed_at_s, pid}]), commit_timeline
-    ([[seconds since launch, step]]), end_s (last commit, seconds since launch).
+    ([[seconds since launch, step]]), end_s (last commit, seconds since launch),
+    poll_s: how often the controller is asked for status and events (each poll costs it
+    CPU on the job's cores: benchmarks that need no timely kills poll rarely),
+    events ([{at, kind, step, generation, replica}], Unix times, as polled from the
+    controller during the run: the last few before it exits may be missing).
     """
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").unlink(missing_ok=True)
@@ -52,6 +56,7 @@ def run_recover(out: Path, job_args: list[str], schedule: Schedule | None = None
     pending = list(schedule.events) if schedule else []
     pids: dict[int, int] = {}
     kills: list[dict[str, Any]] = []
+    events: list[dict[str, Any]] = []
     first_commit: float | None = None
     channel = stub = None
     after, last_shown = 0, 0.0
@@ -59,7 +64,7 @@ def run_recover(out: Path, job_args: list[str], schedule: Schedule | None = None
         while proc.poll() is None:
             if time.time() - launched > timeout_s:
                 raise JobFailed(f"{label}: no result within {timeout_s:.0f}s")
-            time.sleep(0.02)
+            time.sleep(poll_s)
             if stub is None:
                 if not port_file.exists():
                     continue
@@ -70,6 +75,8 @@ def run_recover(out: Path, job_args: list[str], schedule: Schedule | None = None
             try:
                 for event in stub.Events(pb.EventsRequest(after_seq=after), timeout=2).events:
                     after = event.seq
+                    events.append({"at": event.at, "kind": event.kind, "step": event.step,
+                                   "generation": event.generation, "replica": event.replica})
                     if event.kind == "replica-ready" and (m := PID.search(event.message)):
                         pids[event.replica] = int(m.group(1))
                 status = stub.Status(pb.StatusRequest(), timeout=2)
@@ -97,8 +104,14 @@ def run_recover(out: Path, job_args: list[str], schedule: Schedule | None = None
         if channel is not None:
             channel.close()
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait()
+            # SIGINT: the launcher then stops its controller and agents, which run in
+            # sessions of their own and would outlive a SIGTERMed launcher.
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
         log.close()
     try:
         summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
@@ -109,7 +122,7 @@ def run_recover(out: Path, job_args: list[str], schedule: Schedule | None = None
         raise JobFailed(f"{label}: training failed: {summary['reason']}")
     offset = summary["started_at"] - launched
     times = [offset + t for t in summary["committed_at_s_per_step"]]
-    summary.update(mode="recover", launched_at=launched, kills=kills,
+    summary.update(mode="recover", launched_at=launched, kills=kills, events=events,
                    commit_timeline=[[round(t, 4), step] for step, t in enumerate(times)],
                    end_s=round(times[-1], 4) if times else None)
     return summary

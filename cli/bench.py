@@ -2,6 +2,7 @@
 
     recover bench throughput --schedule FILE --out DIR   ReCoVer vs ckpt-restart vs failure-free
     recover bench simulate --out DIR                     discrete-event projection at scale
+    recover bench recovery | overhead | controller       (cli/bench_more.py)
 
 The work lives in recover.bench; this module only parses and validates flags
 (one-line errors, exit code 2) and prints tables.
@@ -12,10 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import sys
 from pathlib import Path
 from typing import Any
 
+from recover.cli import bench_more
+from recover.cli.bench_more import out_dir as _out
+from recover.cli.bench_more import say
 from recover.cli.jobargs import UsageError, add_job_arguments, job_from_args, job_to_args
 
 
@@ -44,7 +49,7 @@ def add_run_mode_arguments(run: argparse.ArgumentParser) -> None:
 
 
 def add_bench_parser(sub: Any) -> None:
-    bench = sub.add_parser("bench", help="benchmarks: throughput vs ckpt-restart, simulator")
+    bench = sub.add_parser("bench", help="benchmarks: throughput, recovery, overhead, controller, simulator")
     kinds = bench.add_subparsers(dest="bench", metavar="BENCH", parser_class=type(bench))
     kinds.required = True
     tp = kinds.add_parser("throughput", help="ReCoVer vs ckpt-restart vs failure-free, same job "
@@ -60,6 +65,7 @@ def add_bench_parser(sub: Any) -> None:
     sim.add_argument("--calibrate", default=None, metavar="RESULTS",
                      help="a `bench throughput` results.json to calibrate against")
     sim.add_argument("--seed", type=int, default=0)
+    bench_more.add_parsers(kinds)
 
 
 def _policy(args: argparse.Namespace, schedule_mtbf: float | None) -> Any:
@@ -83,19 +89,6 @@ def _schedule(path: str | None, replicas: int) -> Any:
         return load(path, replicas)
     except ScheduleError as exc:
         raise UsageError(str(exc)) from None
-
-
-def _out(path: str) -> Path:
-    out = Path(path)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"--out {path!r}: {exc.strerror}") from None
-    return out
-
-
-def say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 def run_ckpt_restart(args: argparse.Namespace) -> int:
@@ -167,6 +160,12 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
+    # Started in the background by a non-interactive shell, this process would ignore
+    # SIGINT and pass that on to the jobs it launches; run_recover stops a launcher
+    # with SIGINT (so that it stops its controller and agents), so restore the default.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.bench == "throughput":
         return _throughput(args)
-    return _simulate(args)
+    if args.bench == "simulate":
+        return _simulate(args)
+    return bench_more.main(args)

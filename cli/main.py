@@ -7,7 +7,7 @@
     recover events      a running job's event log
     recover verify      compare two runs' ledgers and parameter digests step by step
     recover plot        draw loss per step of several runs, failures marked
-    recover bench       benchmarks: throughput vs ckpt-restart, simulator (cli/bench.py)
+    recover bench       benchmarks: throughput, recovery, overhead, controller, simulator
 
 User mistakes end in one line on stderr and exit code 2, never a traceback.
 """

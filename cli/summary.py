@@ -77,6 +77,10 @@ def build_summary(report: pb.RunReport, wall_s: float) -> dict[str, Any]:
         "loss_per_step": [record.loss for record in steps],
         "generation_per_step": [record.generation for record in steps],
         "step_time": step_time(steps),
+        # Per step: the slowest replica's compute, and the commit round trip (reduced
+        # reported -> commit received); bench recovery splits recoveries with them.
+        "compute_s_per_step": [round(record.compute_s, 5) for record in steps],
+        "commit_wait_s_per_step": [round(record.commit_wait_s, 5) for record in steps],
         "param_sha256_per_step": [agreed_digest(record) for record in steps],
         "param_sha256_by_replica_per_step": per_replica,
         "param_sha256": agreed_digest(steps[-1]) if steps else None,

@@ -1,0 +1,268 @@
+"""`recover bench controller`: one real controller process under N simulated agents.
+
+For each N: a real `recover controller` (in-memory store) for a job of
+replicas = M = N, and N one-slot simulated agents (`recover.bench.sim_agents`,
+up to AGENTS_PER_PROCESS per client process) on loopback. Phases:
+1. ramp-up: every agent registers and reports ready; the controller plans
+   generation 1 and broadcasts it (time to all-up, register round trips);
+2. steady state for `duration_s`: heartbeats at 1 Hz. Measured: controller CPU
+   (utime + stime from /proc/PID/stat over the window) and the round trip of a
+   unary `Status` RPC sent by a probe every 0.2 s. Heartbeats are not
+   acknowledged by the protocol, so their own latency cannot be seen from
+   outside; the Status round trip goes through the same event loop that
+   handles them and is the honest proxy (queueing behind heartbeat work);
+3. one agent's death (its stream closed): time to the first and to the last
+   survivor receiving the new generation (the new plan).
+Agents the controller declared lost on its own (heartbeats handled too late)
+are counted from `Status.agents`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from recover.bench.env import environment, percentile
+from recover.cli import inspect
+from recover.proto import pb
+
+AGENTS_PER_PROCESS = 250
+"""Simulated agents per client process: one asyncio loop keeps up with this many at 1 Hz."""
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class ScaleConfig:
+    """One `bench controller` invocation."""
+
+    agents: list[int]
+    """Agent counts to try, one controller each."""
+    duration_s: float
+    """Seconds of steady-state heartbeats measured per count."""
+    out: Path
+    """results.json and the controllers' logs."""
+    heartbeat_s: float = 1.0
+    """Seconds between a simulated agent's heartbeats."""
+    ramp_timeout_s: float = 120.0
+    """Give up on a count when its agents are not all up within this."""
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, seconds (fields 14 and 15 of /proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def process_split(total: int, per_process: int = AGENTS_PER_PROCESS) -> list[tuple[int, int]]:
+    """(first, count) of each client process (pure)."""
+    return [(first, min(per_process, total - first)) for first in range(0, total, per_process)]
+
+
+def cpu_fit(points: list[tuple[int, float]]) -> tuple[float, float] | None:
+    """Least-squares CPU = fixed + per_agent x N over (N, CPU fraction) points (pure).
+
+    With one point the fixed part is taken as 0 (an upper bound on the slope).
+    """
+    if not points:
+        return None
+    if len({n for n, _ in points}) < 2:
+        n, cpu = points[0]
+        return 0.0, cpu / n
+    mean_n = statistics.fmean(n for n, _ in points)
+    mean_c = statistics.fmean(c for _, c in points)
+    slope = sum((n - mean_n) * (c - mean_c) for n, c in points) / sum(
+        (n - mean_n) ** 2 for n, _ in points)
+    return mean_c - slope * mean_n, slope
+
+
+def agents_per_core(fit: tuple[float, float]) -> int | None:
+    """Agents at 1 Hz that fill one core, by the fit (pure); None if CPU does not grow."""
+    fixed, slope = fit
+    return int((1.0 - fixed) / slope) if slope > 0 else None
+
+
+def plan_receipts(per_agent: list[dict[str, float]], killed_at: float, newest: int) -> list[float]:
+    """Sorted times at which each survivor first received a generation made after the death (pure).
+
+    Only generations up to `newest` (the controller's generation just before the
+    agents are stopped) count: stopping the agents makes more generations, which
+    must not be mistaken for the plan that followed the death.
+    """
+    firsts = []
+    for received in per_agent:
+        times = [t for g, t in received.items() if 1 < int(g) <= newest and t >= killed_at]
+        if times:
+            firsts.append(min(times))
+    return sorted(firsts)
+
+
+def _start_controller(n: int, folder: Path) -> tuple[subprocess.Popen[bytes], str]:
+    folder.mkdir(parents=True, exist_ok=True)
+    port_file = folder / "controller.port"
+    port_file.unlink(missing_ok=True)
+    log = open(folder / "controller.log", "wb")  # noqa: SIM115 (the child keeps it)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "recover.cli.main", "controller", "--port", "0", "--port-file",
+         str(port_file), "--replicas", str(n), "-M", str(n), "--steps", "1000",
+         "--start-timeout", "600", "--job-id", f"scale-{n}"],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    log.close()
+    deadline = time.time() + 60
+    while not (port_file.exists() and port_file.read_text().strip()):
+        if proc.poll() is not None or time.time() > deadline:
+            raise RuntimeError(f"controller for N={n} did not start (see {folder})")
+        time.sleep(0.05)
+    return proc, f"127.0.0.1:{port_file.read_text().strip()}"
+
+
+def _probe(stub: Any, seconds: float) -> tuple[list[float], int]:
+    """Status round trips every 0.2 s for `seconds`; returns them and the last agent count."""
+    rtts: list[float] = []
+    agents = -1
+    end = time.time() + seconds
+    while time.time() < end:
+        sent = time.perf_counter()
+        try:
+            status = stub.Status(pb.StatusRequest(), timeout=10)
+            rtts.append(time.perf_counter() - sent)
+            agents = status.agents
+        except grpc.RpcError:
+            pass
+        time.sleep(0.2)
+    return rtts, agents
+
+
+def measure(n: int, config: ScaleConfig, progress: Callable[[str], None]) -> dict[str, Any]:
+    folder = config.out / f"n{n}"
+    controller, address = _start_controller(n, folder)
+    clients: list[subprocess.Popen[str]] = []
+    channel = None
+    try:
+        began = time.time()
+        for first, count in process_split(n):
+            clients.append(subprocess.Popen(
+                [sys.executable, "-m", "recover.bench.sim_agents", address, str(first),
+                 str(count), "--heartbeat", str(config.heartbeat_s)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+        for client in clients:
+            assert client.stdout is not None
+            # readline blocks; the ramp timeout is enforced by the controller's own start
+            # timeout and by the client failing its sessions, both of which end the line.
+            if client.stdout.readline().strip() != "up":
+                raise RuntimeError(f"N={n}: simulated agents did not all come up")
+        all_up_s = time.time() - began
+        if all_up_s > config.ramp_timeout_s:
+            raise RuntimeError(f"N={n}: ramp-up took {all_up_s:.0f}s")
+        channel, stub = inspect.connect(address, 10)
+        time.sleep(min(2.0, config.duration_s / 4))  # let the start-up burst settle
+        cpu0, t0 = cpu_seconds(controller.pid), time.time()
+        rtts, agents_seen = _probe(stub, config.duration_s)
+        cpu1, t1 = cpu_seconds(controller.pid), time.time()
+        victim = clients[0]
+        assert victim.stdin is not None
+        victim.stdin.write("kill\n")
+        victim.stdin.flush()
+        time.sleep(3.0)  # the new generation, then let late receipts land
+        status = stub.Status(pb.StatusRequest(), timeout=10)
+        outputs = []
+        for client in clients:
+            assert client.stdin is not None and client.stdout is not None
+            client.stdin.write("stop\n")
+            client.stdin.flush()
+            outputs.append(json.loads(client.stdout.readline()))
+    finally:
+        if channel is not None:
+            channel.close()
+        for client in clients:
+            if client.poll() is None:
+                try:
+                    client.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    client.kill()
+        controller.terminate()
+        try:
+            controller.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            controller.kill()
+    killed_at = outputs[0]["killed_at"]
+    after = plan_receipts([g for out in outputs for g in out["generations"]], killed_at,
+                          status.generation)
+    registers = [r for out in outputs for r in out["register_rtt_s"] if r is not None]
+    errors = [e for out in outputs for e in out["errors"]]
+    cpu_frac = (cpu1 - cpu0) / (t1 - t0)
+    result = {
+        "agents": n, "client_processes": len(clients), "all_up_s": round(all_up_s, 3),
+        "register_rtt_p50_s": round(percentile(registers, 50), 5),
+        "register_rtt_p99_s": round(percentile(registers, 99), 5),
+        "controller_cpu_fraction": round(cpu_frac, 4),
+        "controller_cpu_ms_per_agent_s": round(1000 * cpu_frac / n, 4),
+        "status_rtt_p50_s": round(percentile(rtts, 50), 5) if rtts else None,
+        "status_rtt_p99_s": round(percentile(rtts, 99), 5) if rtts else None,
+        "status_probes": len(rtts),
+        "agents_alive_in_window": agents_seen,
+        "death_to_first_plan_s": round(after[0] - killed_at, 5) if after else None,
+        "death_to_last_plan_s": round(after[-1] - killed_at, 5) if after else None,
+        "survivors_with_new_plan": len(after), "generation_after_death": status.generation,
+        "agents_alive_after_death": status.agents, "heartbeats": sum(o["heartbeats"]
+                                                                      for o in outputs),
+        "session_errors": len(errors), "first_errors": errors[:3],
+    }
+    progress(f"N={n}: up in {all_up_s:.1f}s, controller CPU {cpu_frac * 100:.1f}% of a core, "
+             f"Status p99 {result['status_rtt_p99_s']}s, death -> last plan "
+             f"{result['death_to_last_plan_s']}s, load {environment()['loadavg_1m']}")
+    return result
+
+
+def run(config: ScaleConfig, progress: Callable[[str], None]) -> dict[str, Any]:
+    env = environment()
+    rows = []
+    for n in config.agents:
+        try:
+            rows.append(measure(n, config, progress))
+        except RuntimeError as exc:
+            progress(f"N={n}: {exc}")
+            rows.append({"agents": n, "error": str(exc)})
+            break  # a larger N will not do better
+    ok = [r for r in rows if "error" not in r]
+    fit = cpu_fit([(r["agents"], r["controller_cpu_fraction"]) for r in ok])
+    return {"benchmark": "controller", "environment": env,
+            "loadavg_1m_end": environment()["loadavg_1m"],
+            "config": {"agents": config.agents, "duration_s": config.duration_s,
+                       "heartbeat_s": config.heartbeat_s, "slots_per_agent": 1},
+            "rows": rows, "cpu_fixed_fraction": fit[0] if fit else None,
+            "cpu_fraction_per_agent": fit[1] if fit else None,
+            "agents_per_core_extrapolated": agents_per_core(fit) if fit else None,
+            "median_cpu_ms_per_agent_s": round(statistics.median(
+                r["controller_cpu_ms_per_agent_s"] for r in ok), 4) if ok else None}
+
+
+def format_table(results: dict[str, Any]) -> str:
+    lines = [f"{'agents':>6} {'up s':>6} {'CPU %':>6} {'reg p99':>9} {'Status p50':>10} "
+             f"{'p99':>8} {'death->plan first':>17} {'last':>8} {'lost':>5}"]
+    for r in results["rows"]:
+        if "error" in r:
+            lines.append(f"{r['agents']:>6} {r['error']}")
+            continue
+        lost = r["agents"] - 1 - r["agents_alive_after_death"]
+        lines.append(
+            f"{r['agents']:>6} {r['all_up_s']:>6.1f} {r['controller_cpu_fraction'] * 100:>6.1f} "
+            f"{r['register_rtt_p99_s'] * 1000:>7.1f}ms {(r['status_rtt_p50_s'] or 0) * 1000:>8.1f}ms "
+            f"{(r['status_rtt_p99_s'] or 0) * 1000:>6.1f}ms "
+            f"{(r['death_to_first_plan_s'] or 0) * 1000:>15.1f}ms "
+            f"{(r['death_to_last_plan_s'] or 0) * 1000:>6.1f}ms {lost:>5}")
+    if results["cpu_fraction_per_agent"] is not None:
+        lines.append(f"fit: CPU = {results['cpu_fixed_fraction'] * 100:.2f}% + N x "
+                     f"{results['cpu_fraction_per_agent'] * 1e5:.2f}e-3 %; extrapolated: "
+                     f"~{results['agents_per_core_extrapolated']} agents at 1 Hz per controller "
+                     "core (one asyncio thread: a controller uses one core at most)")
+    return "\n".join(lines)

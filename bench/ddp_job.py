@@ -1,0 +1,80 @@
+"""Run the plain-DDP baseline as real processes and collect what it did.
+
+The parent hosts the TCPStore (so no rank is special and a port is never
+guessed), spawns one `recover.bench.ddp_worker` per replica, waits, and
+merges the ranks' files: per-step end times (rank 0's clock; every rank
+leaves the step's allreduce together) and the mean loss over all M
+microbatches of each step.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from recover.bench.ddp_worker import DDPConfig, to_json
+from recover.bench.recover_job import JobFailed
+from recover.proto import pb
+
+
+def ddp_config(job: pb.JobConfig, store_port: int, out: Path) -> DDPConfig:
+    """The DDP twin of a ReCoVer job: same model, data, M, B, seed, lr, replicas."""
+    m = job.model
+    return DDPConfig(replicas=job.replicas, steps=job.steps,
+                     global_microbatches=job.global_microbatches,
+                     microbatch_size=job.microbatch_size, seed=job.seed,
+                     learning_rate=job.learning_rate, n_layer=m.n_layer, n_embd=m.n_embd,
+                     n_head=m.n_head, seq_len=m.seq_len, vocab_size=m.vocab_size,
+                     store_port=store_port, out_dir=str(out), compute_ms=job.compute_ms,
+                     corpus_seed=job.corpus_seed or 1234, dropout=m.dropout or 0.1)
+
+
+def run_ddp(job: pb.JobConfig, out: Path, timeout_s: float = 600.0) -> dict[str, Any]:
+    """Train `job` with torch DDP; returns launched_at, ended_at (per step), loss_per_step."""
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("rank-*.json"):
+        old.unlink()
+    store = dist.TCPStore("127.0.0.1", 0, job.replicas + 1, is_master=True,
+                          timeout=timedelta(seconds=60), wait_for_workers=False)
+    config_path = out / "ddp_config.json"
+    config_path.write_text(to_json(ddp_config(job, store.port, out)) + "\n")
+    launched = time.time()
+    procs = []
+    logs = []
+    for rank in range(job.replicas):
+        log = open(out / f"rank-{rank}.log", "wb")  # noqa: SIM115 (closed below)
+        logs.append(log)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "recover.bench.ddp_worker", str(config_path), str(rank)],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+    try:
+        deadline = launched + timeout_s
+        for proc in procs:
+            proc.wait(timeout=max(deadline - time.time(), 0.1))
+    except subprocess.TimeoutExpired:
+        raise JobFailed(f"ddp: no result within {timeout_s:.0f}s") from None
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for log in logs:
+            log.close()
+        del store
+    bad = [(rank, p.returncode) for rank, p in enumerate(procs) if p.returncode != 0]
+    if bad:
+        rank, code = bad[0]
+        tail = (out / f"rank-{rank}.log").read_text(errors="replace").strip().splitlines()[-1:]
+        raise JobFailed(f"ddp: rank {rank} exited with {code}: {' '.join(tail)}")
+    ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(job.replicas)]
+    losses = [sum(column) / job.global_microbatches
+              for column in zip(*(r["loss_sums"] for r in ranks), strict=True)]
+    return {"mode": "ddp", "launched_at": launched, "ended_at": ranks[0]["ended_at"],
+            "loss_per_step": losses}

@@ -1,0 +1,146 @@
+"""The plain-DDP baseline: `python -m recover.bench.ddp_worker CONFIG_JSON RANK`.
+
+One process per replica, torch.distributed over gloo on a TCPStore the parent
+hosts, `DistributedDataParallel` around the same TinyGPT, the same
+deterministic microbatches (sample ids and dropout seeds from
+`recover.trainer.data`), the same AdamW, the same split of M over replicas as
+ReCoVer's uniform plan. Gradient accumulation uses `no_sync()` for all but a
+rank's last microbatch, so DDP allreduces once per step, like ReCoVer. No
+fault tolerance, no controller, no agent: what users run today.
+
+Each microbatch's loss is scaled by R / M before backward: DDP averages over
+the R ranks, so the applied gradient is the mean over all M microbatches —
+what ReCoVer applies (it sums and divides by M). Losses are not allreduced
+(that would add a collective DDP users do not pay); each rank writes its own
+per-step loss sums and the parent adds them up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from recover.trainer.data import CorpusConfig, SyntheticCorpus, microbatch_sample_ids, microbatch_seed
+from recover.trainer.model import GPTConfig, build_model
+
+
+@dataclass(frozen=True)
+class DDPConfig:
+    """Everything a DDP worker needs; written as JSON by the parent."""
+
+    replicas: int
+    """World size: one process per replica."""
+    steps: int
+    """Optimizer steps to train."""
+    global_microbatches: int
+    """M: microbatches summed by every step, split over the ranks like ReCoVer's uniform plan."""
+    microbatch_size: int
+    """Sequences per microbatch (B)."""
+    seed: int
+    """Seed of init, sample ids and dropout (ReCoVer's --seed)."""
+    learning_rate: float
+    """AdamW learning rate."""
+    n_layer: int
+    """TinyGPT layers."""
+    n_embd: int
+    """TinyGPT width."""
+    n_head: int
+    """TinyGPT attention heads."""
+    seq_len: int
+    """Tokens per sequence."""
+    vocab_size: int
+    """Vocabulary size."""
+    store_port: int
+    """Port of the TCPStore the parent hosts on 127.0.0.1."""
+    out_dir: str
+    """Each rank writes rank-R.json here."""
+    compute_ms: float = 0.0
+    """Emulated accelerator time slept after each microbatch (ReCoVer's --compute-ms)."""
+    corpus_seed: int = 1234
+    """Identity of the synthetic corpus (ReCoVer's jobs use 1234)."""
+    dropout: float = 0.1
+    """Dropout probability (ReCoVer's jobs use 0.1)."""
+
+
+def my_microbatches(rank: int, replicas: int, global_microbatches: int) -> list[int]:
+    """Contiguous near-equal runs, the first M mod R ranks one more (controller's uniform_plan)."""
+    base, extra = divmod(global_microbatches, replicas)
+    start = rank * base + min(rank, extra)
+    return list(range(start, start + base + (1 if rank < extra else 0)))
+
+
+def train(config: DDPConfig, rank: int) -> dict[str, list[float]]:
+    """Train `config.steps` steps; returns per-step end times and this rank's loss sums."""
+    # One intra-op thread, as ReCoVer's workers: same per-process compute, same sharing of cores.
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", config.store_port, config.replicas, is_master=False,
+                          timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=config.replicas,
+                            timeout=timedelta(seconds=60))
+    model = build_model(GPTConfig(vocab_size=config.vocab_size, seq_len=config.seq_len,
+                                  n_layer=config.n_layer, n_head=config.n_head,
+                                  n_embd=config.n_embd, dropout=config.dropout),
+                        init_seed=config.seed)
+    model.train()
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate)
+    corpus = SyntheticCorpus(CorpusConfig(vocab_size=config.vocab_size, seq_len=config.seq_len,
+                                          corpus_seed=config.corpus_seed))
+    mine = my_microbatches(rank, config.replicas, config.global_microbatches)
+    scale = config.replicas / config.global_microbatches
+    ended_at: list[float] = []
+    loss_sums: list[float] = []
+    for step in range(config.steps):
+        optimizer.zero_grad(set_to_none=False)
+        loss_sum = 0.0
+        for position, microbatch in enumerate(mine):
+            ids = microbatch_sample_ids(config.seed, step, microbatch, config.microbatch_size,
+                                        corpus.config.num_sequences)
+            inputs, targets = corpus.batch(ids)
+            torch.default_generator.manual_seed(
+                microbatch_seed(config.seed, step, microbatch, "dropout"))
+            last = position == len(mine) - 1
+            # no_sync on all but the last microbatch: one allreduce per step.
+            with ddp.no_sync() if not last else contextlib.nullcontext():
+                _, loss = ddp(inputs, targets)
+                assert loss is not None
+                (loss * scale).backward()
+            if config.compute_ms > 0:
+                time.sleep(config.compute_ms / 1000.0)
+            loss_sum += float(loss.detach())
+        optimizer.step()
+        ended_at.append(time.time())
+        loss_sums.append(loss_sum)
+    dist.destroy_process_group()
+    return {"ended_at": ended_at, "loss_sums": loss_sums}
+
+
+def main() -> int:
+    config = DDPConfig(**json.loads(Path(sys.argv[1]).read_text()))
+    rank = int(sys.argv[2])
+    result = train(config, rank)
+    (Path(config.out_dir) / f"rank-{rank}.json").write_text(json.dumps(result) + "\n")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip C++ static destructors: gloo/TCPStore threads racing them at interpreter exit
+    # sometimes abort ("terminate called without an active exception", seen 1 in ~4 runs)
+    # after the results are already written.
+    os._exit(0)
+
+
+def to_json(config: DDPConfig) -> str:
+    return json.dumps(asdict(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

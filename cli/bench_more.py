@@ -1,0 +1,129 @@
+"""`recover bench recovery | overhead | controller`: flags, validation, tables.
+
+    recover bench recovery --out DIR [--runs N] [--replicas R]
+    recover bench overhead --out DIR [--replicas R] [-M M] [--steps T] [--reps K]
+    recover bench controller --out DIR [--agents N1,N2,...] [--duration S]
+
+The work lives in recover.bench; bad input is a UsageError (one line, exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from recover.cli.jobargs import UsageError, add_job_arguments, job_from_args, positive_int
+
+
+def out_dir(path: str) -> Path:
+    """Create --out DIR; a UsageError (one line, exit 2) when it cannot be."""
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--out {path!r}: {exc.strerror}") from None
+    return out
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _agent_counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N1,N2,... whole numbers, got {text!r}"
+                                         ) from None
+    if not counts or any(not 1 <= n <= 5000 for n in counts):
+        raise argparse.ArgumentTypeError(f"agent counts must be 1..5000, got {text!r}")
+    return counts
+
+
+def add_parsers(kinds: Any) -> None:
+    rec = kinds.add_parser("recovery", help="recovery latency over >= 20 injected failures, "
+                                            "split by phase")
+    rec.add_argument("--out", required=True, metavar="DIR")
+    rec.add_argument("--runs", type=positive_int, default=8,
+                     help="runs of 3 kills each (default 8: 24 failures)")
+    rec.add_argument("--replicas", "-R", type=positive_int, default=4,
+                     help="replicas per run, at least 4 (default 4)")
+    rec.add_argument("--run-timeout", type=float, default=90.0, help="seconds per run (default 90)")
+    ovh = kinds.add_parser("overhead", help="failure-free step time: ReCoVer fast/exact vs "
+                                            "torch DDP")
+    add_job_arguments(ovh)
+    ovh.set_defaults(steps=40)
+    ovh.add_argument("--out", required=True, metavar="DIR")
+    ovh.add_argument("--reps", type=positive_int, default=3, help="runs per mode (default 3)")
+    ovh.add_argument("--warmup", type=int, default=5, help="steps skipped per run (default 5)")
+    ovh.add_argument("--run-timeout", type=float, default=300.0,
+                     help="seconds per run (default 300)")
+    ctl = kinds.add_parser("controller", help="one controller under N simulated agents")
+    ctl.add_argument("--out", required=True, metavar="DIR")
+    ctl.add_argument("--agents", type=_agent_counts, default=[10, 100, 500, 1000],
+                     metavar="N1,N2,...", help="agent counts to try (default 10,100,500,1000)")
+    ctl.add_argument("--duration", type=float, default=15.0,
+                     help="seconds of steady heartbeats measured per count (default 15)")
+
+
+def _write(out: Path, results: dict[str, Any]) -> None:
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
+def _overhead(args: argparse.Namespace) -> int:
+    from recover.bench import overhead
+
+    if args.kill:
+        raise UsageError("recover bench overhead: failure-free only, no --kill")
+    if args.warmup < 1:
+        raise UsageError(f"--warmup must be at least 1, got {args.warmup}")
+    if args.steps < args.warmup + 3:
+        raise UsageError(f"--steps ({args.steps}) must be at least --warmup + 3 "
+                         f"({args.warmup + 3})")
+    config = overhead.OverheadConfig(job=job_from_args(args), out=out_dir(args.out), reps=args.reps,
+                                     warmup=args.warmup, timeout_s=args.run_timeout)
+    try:
+        results = overhead.run(config, say)
+    except overhead.JobFailed as exc:
+        print(f"recover bench overhead: {exc}", file=sys.stderr)
+        return 1
+    _write(config.out, results)
+    print(overhead.format_table(results))
+    print(f"results: {config.out / 'results.json'}")
+    return 0
+
+
+def _recovery(args: argparse.Namespace) -> int:
+    from recover.bench import recovery
+
+    if args.replicas < 4:
+        raise UsageError(f"--replicas must be at least 4 (3 kills per run, one survivor), "
+                         f"got {args.replicas}")
+    out = out_dir(args.out)
+    results = recovery.run(recovery.RecoveryConfig(runs=args.runs, replicas=args.replicas,
+                                                   out=out, timeout_s=args.run_timeout), say)
+    _write(out, results)
+    print(recovery.format_table(results))
+    print(f"results: {out / 'results.json'}")
+    return 0 if not results["failed_runs"] else 1
+
+
+def _controller(args: argparse.Namespace) -> int:
+    from recover.bench import controller_scale
+
+    if not 3 <= args.duration <= 600:
+        raise UsageError(f"--duration must be 3..600 seconds, got {args.duration}")
+    out = out_dir(args.out)
+    results = controller_scale.run(controller_scale.ScaleConfig(
+        agents=args.agents, duration_s=args.duration, out=out), say)
+    _write(out, results)
+    print(controller_scale.format_table(results))
+    print(f"results: {out / 'results.json'}")
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    return {"recovery": _recovery, "overhead": _overhead, "controller": _controller}[args.bench](args)

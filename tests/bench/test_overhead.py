@@ -1,0 +1,51 @@
+"""`recover bench overhead` at tiny sizes: the DDP baseline trains (real processes, gloo) and its
+loss matches ReCoVer fast's on the same job; results.json has the keys. No timing asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from recover.bench.ddp_worker import my_microbatches
+from recover.bench.overhead import MODES, order, steady_intervals
+from recover.controller.policy import uniform_plan
+
+
+def recover(*args: str, timeout: float = 150) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "recover.cli.main", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(150)
+def test_overhead_runs_ddp_and_recover_with_matching_loss(tmp_path):
+    done = recover("bench", "overhead", "--replicas", "2", "-M", "4", "-B", "2", "--steps", "5",
+                   "--warmup", "1", "--reps", "1", "--n-layer", "1", "--n-embd", "32",
+                   "--n-head", "2", "--seq-len", "16", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    results = json.loads((tmp_path / "results.json").read_text())
+    for key in ("overhead_vs_ddp", "overhead_exact_vs_ddp", "step_s", "runs"):
+        assert key in results
+    assert set(results["step_s"]) == set(MODES)
+    assert len(results["runs"]) == 3
+    # Same microbatches, same seeds, same split: only float summation order differs.
+    assert results["max_loss_diff_fast_vs_ddp"] < 1e-4
+    assert results["max_loss_diff_exact_vs_ddp"] < 1e-4
+    assert done.stderr.count("steady step") == 3  # one progress line per run
+    assert "torch DDP" in done.stdout
+
+
+def test_ddp_split_is_the_controllers_uniform_plan():
+    for replicas, m in ((1, 1), (2, 4), (3, 16), (4, 6), (5, 5)):
+        plan = uniform_plan(list(range(replicas)), m).assignment
+        for rank in range(replicas):
+            assert my_microbatches(rank, replicas, m) == list(plan[rank])
+
+
+def test_steady_intervals_skip_warmup_and_order_rotates():
+    assert steady_intervals([0.0, 5.0, 6.0, 7.5, 8.5], 2) == [1.5, 1.0]
+    assert steady_intervals([0.0, 1.0], 2) == []
+    assert [order(r)[0] for r in range(3)] == list(MODES)
+    assert all(sorted(order(r)) == sorted(MODES) for r in range(4))
