@@ -10,8 +10,8 @@ since the checkpoint, exactly as torchrun / TorchElastic do.
 Failures come from a schedule (bench/schedules.py: a slot is lost at a wall
 time after the first committed step and, if the schedule says so, comes back
 after a repair; returned slots are used at the next restart), or from
-step-based kills (`--kill step=S,replica=R,...`: the process on slot R is
-SIGKILLed once step S has started; a process crash, so the slot stays usable).
+step-based kills (`--kill step=S,replica=R,...`: the process on slot R
+SIGKILLs itself as step S starts; a process crash, so the slot stays usable).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class CkptRestartConfig:
     schedule: Schedule | None = None
     """Slot losses at wall times (None: none)."""
     step_kills: list[tuple[int, int]] = field(default_factory=list)
-    """(step, slot): SIGKILL that slot's process once the step has started (slot stays usable)."""
+    """(step, slot): that slot's process SIGKILLs itself as the step starts (slot stays usable)."""
     poll_s: float = 0.05
     """Supervisor's monitoring period (torchrun's monitor_interval; 0.1 s by default there)."""
     max_restarts: int = 100
@@ -73,7 +73,9 @@ class Supervisor:
         self.alive: set[int] = set(range(config.job.replicas))
         self.returns: dict[int, float] = {}  # slot -> absolute time it is usable again
         self.pending: list[FailureEvent] = list(config.schedule.events) if config.schedule else []
-        self.step_kills = sorted(config.step_kills)
+        # [step, slot] kills not done yet; the workers carry them out themselves
+        # (bench/ckpt_worker.py), so a fast step cannot slip past a lagging poll.
+        self.step_kills = sorted([step, slot] for step, slot in config.step_kills)
         self.commits: list[tuple[float, int, float]] = []  # (unix time, step, loss), redone included
         self.checkpoints: list[dict[str, Any]] = []
         self.failures: list[dict[str, Any]] = []
@@ -90,7 +92,8 @@ class Supervisor:
         config_path = self.out / "worker-config.json"
         config_path.write_text(json.dumps({
             "job_hex": self.c.job.SerializeToString().hex(), "policy": self.c.policy.to_dict(),
-            "checkpoint": str(self.ckpt_path), "events": str(self.events_path)}))
+            "checkpoint": str(self.ckpt_path), "events": str(self.events_path),
+            "slots": slots, "self_kills": self.step_kills}))
         procs: dict[int, subprocess.Popen[bytes]] = {}
         self._logs: list[IO[bytes]] = []
         for rank, slot in enumerate(slots):
@@ -131,6 +134,14 @@ class Supervisor:
             elif e["event"] == "checkpoint":
                 self.checkpoints.append({"step": e["step"], "write_s": e["write_s"],
                                          "at": e["at"], "reason": e["reason"]})
+            elif e["event"] == "kill":
+                # The worker killed itself at the start of the step (deterministic even
+                # when this poll lags behind a fast job); it must not happen again.
+                kill = [e["step"], e["slot"]]
+                if kill in self.step_kills:
+                    self.step_kills.remove(kill)
+                self.failures.append({"slot": e["slot"], "cause": "kill-spec", "killed_at": e["at"],
+                                      "step": e["step"], "hit_running_worker": True})
             elif e["event"] == "ready":
                 attempt.setdefault("ready", []).append(e)
 
@@ -147,10 +158,6 @@ class Supervisor:
                 if event.returns_at_s is not None:
                     self.returns[event.slot] = self.first_commit_at + event.returns_at_s
                 self._kill(procs, event.slot, now, "schedule")
-        step_started = self.commits[-1][1] + 1 if self.commits else 0
-        while self.step_kills and self.step_kills[0][0] <= step_started:
-            _, slot = self.step_kills.pop(0)
-            self._kill(procs, slot, now, "kill-spec")
 
     def _kill(self, procs: dict[int, subprocess.Popen[bytes]], slot: int, now: float,
               cause: str) -> None:

@@ -22,6 +22,7 @@ import datetime
 import json
 import math
 import os
+import signal
 import sys
 import time
 
@@ -91,7 +92,12 @@ def main(argv: list[str]) -> int:
     tokens_per_step = job.global_microbatches * job.microbatch_size * job.model.seq_len
     write_cost = math.nan  # unknown until the first checkpoint is written
     last_ckpt = time.monotonic()
+    slot = config["slots"][rank]
+    self_kills = {(step, s) for step, s in config.get("self_kills", []) if s == slot}
     for step in range(start_step, job.steps):
+        if (step, slot) in self_kills:
+            events.emit("kill", step=step, slot=slot)  # before dying: the supervisor reads it
+            os.kill(os.getpid(), signal.SIGKILL)
         accumulator.reset()
         for mb in mine:
             ids = microbatch_sample_ids(job.seed, step, mb, job.microbatch_size,
