@@ -39,28 +39,32 @@ def connect_leader(addresses: str, timeout_s: float = 5.0) -> tuple[grpc.Channel
     if len(candidates) == 1:
         return connect(candidates[0], timeout_s)
     deadline = time.monotonic() + timeout_s
-    fallback: tuple[grpc.Channel, rpc.ControlStub] | None = None
-    for address in candidates:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
+    while True:  # every address, again, until one answers or the time is up
+        fallback: tuple[grpc.Channel, rpc.ControlStub] | None = None
+        for address in list(candidates):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                channel, stub = connect(address, min(remaining, 2.0))
+                status = stub.Status(pb.StatusRequest(), timeout=min(remaining, 2.0))
+            except (ControllerUnreachable, grpc.RpcError):
+                continue
+            if status.role != "standby":
+                if fallback is not None:
+                    fallback[0].close()
+                return channel, stub
+            if status.leader and status.leader not in candidates:
+                candidates.append(status.leader)
+            if fallback is None:
+                fallback = (channel, stub)
+            else:
+                channel.close()
+        if fallback is not None:
+            return fallback
+        if time.monotonic() >= deadline:
             break
-        try:
-            channel, stub = connect(address, min(remaining, 2.0))
-            status = stub.Status(pb.StatusRequest(), timeout=min(remaining, 2.0))
-        except (ControllerUnreachable, grpc.RpcError):
-            continue
-        if status.role != "standby":
-            if fallback is not None:
-                fallback[0].close()
-            return channel, stub
-        if status.leader and status.leader not in candidates:
-            candidates.append(status.leader)
-        if fallback is None:
-            fallback = (channel, stub)
-        else:
-            channel.close()
-    if fallback is not None:
-        return fallback
+        time.sleep(0.2)
     raise ControllerUnreachable(f"no controller answers at {addresses} (waited {timeout_s:.0f}s)")
 
 

@@ -62,7 +62,9 @@ def run_with_leader_hit(tmp_path: Path, sig: int) -> tuple[dict[str, Any], float
         deadline = time.monotonic() + 90
         leader = None
         while leader is None:
-            assert time.monotonic() < deadline and proc.poll() is None, "training did not start"
+            if proc.poll() is not None:
+                raise AssertionError(f"the run ended before the hit: {proc.communicate()[1]}")
+            assert time.monotonic() < deadline, "training did not start"
             try:
                 states = {n: status(out / f"{n}.port") for n in names}
                 leader = next((n for n, s in states.items()
