@@ -67,33 +67,27 @@ def test_host_loss_kill_and_stop(tmp_path: Path) -> None:
                            "--steps", "400", "-M", "8", "-B", "4", "--metrics-port",
                            str(metrics_port), "--job-id", "hosts")
         time.sleep(0.5)
-        # Replica ids follow registration order: start the agents one after the
-        # other so that a's two slots are replicas 0 and 1 whatever the scheduling.
-        def registered(count: int) -> None:
-            wait_for(lambda: recover_json("status", "--controller", address)[0].get("agents", 0)
-                     >= count, 30, f"{count} agents registered")
-
         start("agent-a", "agent", "--controller", address, "--slots", "2", "--agent-id", "a",
               "--log-dir", str(logs), "--metrics-port", str(agent_metrics))
-        registered(1)
         killed = start("agent-b", "agent", "--controller", address, "--slots", "1",
                        "--agent-id", "b", "--log-dir", str(logs))
-        registered(2)
         stopped = start("agent-c", "agent", "--controller", address, "--slots", "1",
                         "--agent-id", "c", "--log-dir", str(logs))
         wait_for(lambda: recover_json("status", "--controller", address)[0]["steps_committed"] >= 3,
                  90, "training to start")
+        lost_at = time.time()
         os.kill(killed.pid, signal.SIGKILL)
         os.kill(stopped.pid, signal.SIGSTOP)
-        lost_at = time.monotonic()
 
-        def both_lost() -> bool:
-            kinds = [e for e in recover_json("events", "--controller", address)
-                     if e["kind"] == "agent-lost"]
-            return len(kinds) == 2
+        def lost_events() -> list[dict[str, Any]]:
+            lost = [e for e in recover_json("events", "--controller", address)
+                    if e["kind"] == "agent-lost"]
+            return lost if len(lost) == 2 else []
 
-        wait_for(both_lost, 10, "both hosts declared lost")
-        assert time.monotonic() - lost_at < 3.0 + 2.0  # agent timeout 3 s, plus polling slack
+        # Judged on the controller's own event times (same machine, same clock),
+        # so a slow `recover events` poll cannot make the bound look missed.
+        for event in wait_for(lost_events, 15, "both hosts declared lost"):
+            assert event["at"] - lost_at < 3.0 + 1.0, event  # agent timeout 3 s, plus slack
         status = recover_json("status", "--controller", address)[0]
         # Replica ids follow registration order, which the agents race for.
         registered = next(e["message"] for e in recover_json("events", "--controller", address)
