@@ -105,9 +105,10 @@ class EtcdCluster:
             log.close()  # type: ignore[attr-defined]
         self._logs.clear()
 
-    def restart(self, timeout_s: float = 30.0) -> None:
-        """Stop every member and start them again on the same data."""
+    def restart(self, timeout_s: float = 30.0, down_s: float = 0.0) -> None:
+        """Stop every member, stay down `down_s`, and start them again on the same data."""
         self.stop()
+        time.sleep(down_s)
         for i in range(len(self.names)):
             self.start_member(i)
         self.wait_healthy(timeout_s)
