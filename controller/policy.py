@@ -133,6 +133,7 @@ def check_plan(assignment: Mapping[int, Sequence[int]], global_microbatches: int
             + (f", outside 0..{global_microbatches - 1}: {out_of_range}" if out_of_range else "")
             + (f", not planned this step: {unplanned}" if unplanned else ""))
 
+
 MAX_SCALE_EPOCHS = 3
 """Exact reduction: redos of one step before giving up (each lowers the scale by 2**16)."""
 
