@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -49,6 +50,15 @@ async def _requests(queue: asyncio.Queue[pb.AgentMessage | None]) -> AsyncIterat
         yield message
 
 
+async def _first_non_heartbeat(call: grpc.aio.StreamStreamCall) -> Any:
+    """The leader heartbeats every session it holds, and ours is in its table while
+    its registration waits for the store: a heartbeat may come before `registered`."""
+    while True:
+        reply = await call.read()
+        if reply is grpc.aio.EOF or reply.WhichOneof("kind") != "heartbeat":
+            return reply
+
+
 async def _attempt(address: str, first: list[pb.AgentMessage], attempt_s: float,
                    reply_s: float) -> Session | str:
     """One try at one address: the session, or why not (a leader hint, or a reason)."""
@@ -66,7 +76,7 @@ async def _attempt(address: str, first: list[pb.AgentMessage], attempt_s: float,
         # Generous: a leader that answered the connect is alive, maybe busy (a
         # registration waits for a durable store write); giving up on it would
         # leave a half-registered agent behind.
-        reply = await asyncio.wait_for(call.read(), reply_s)
+        reply = await asyncio.wait_for(_first_non_heartbeat(call), reply_s)
     except grpc.aio.AioRpcError as exc:
         await channel.close()
         if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
