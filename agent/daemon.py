@@ -30,6 +30,8 @@ from recover.common import progress
 from recover.proto import pb, rpc
 
 log = logging.getLogger("recover.agent")
+CONFIRM_HANG_S = 0.02
+"""Pause before re-reading a hung-looking worker's progress file to confirm the verdict."""
 
 
 class AgentError(Exception):
@@ -221,15 +223,11 @@ class Agent:
         factor = job.hang_factor or 10.0
         while True:
             await asyncio.sleep(progress.BEAT_PERIOD_S)
-            now = time.monotonic()
-            for worker in self.workers.values():
+            for worker in list(self.workers.values()):
                 if worker.process.returncode is not None or worker.killed_by_agent:
                     continue
-                snapshot = progress.read(worker.progress_path) if worker.progress_path else None
-                if snapshot is None:
-                    continue
-                verdict = progress.judge(snapshot, now, timeout_s, factor)
-                if verdict.hung:
+                verdict = await self._hang_verdict(worker, timeout_s, factor)
+                if verdict is not None and verdict.hung:
                     worker.killed_by_agent = f"watchdog: {verdict.reason}"
                     log.warning("killing hung worker: %s", verdict.reason,
                                 extra={"replica": worker.replica})
@@ -237,6 +235,22 @@ class Agent:
                         worker.process.kill()
                     except ProcessLookupError:
                         pass
+
+    @staticmethod
+    async def _hang_verdict(worker: WorkerProcess, timeout_s: float,
+                            factor: float) -> progress.HangVerdict | None:
+        """The watchdog's verdict on one worker, a hung one confirmed on a second read:
+        a kill cannot be undone, a misread file can."""
+        for attempt in range(2):
+            if attempt:
+                await asyncio.sleep(CONFIRM_HANG_S)
+            snapshot = progress.read(worker.progress_path) if worker.progress_path else None
+            if snapshot is None or worker.process.returncode is not None:
+                return None
+            verdict = progress.judge(snapshot, time.monotonic(), timeout_s, factor)
+            if not verdict.hung:
+                return verdict
+        return verdict
 
     async def _heartbeat(self) -> None:
         while True:

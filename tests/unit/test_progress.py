@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import time
+from pathlib import Path
 
 import pytest
 
@@ -137,3 +139,37 @@ def test_beacon_beats_marks_compute_and_stops(tmp_path):
     time.sleep(0.3)
     assert progress.read(path).beat_at == stopped, "beats went on after close()"
     assert judge(progress.read(path), stopped + TIMEOUT + 0.5, TIMEOUT, FACTOR).hung
+
+
+def _busy_writer(path: str, seconds: float) -> None:
+    beacon = ProgressBeacon(Path(path))
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        beacon.compute_started()
+        beacon.compute_finished()
+    beacon.close()
+
+
+def test_reader_never_sees_a_half_written_snapshot(tmp_path):
+    """A reader racing a busy writer process sees each field either old or new,
+    never a state that no write produced. (struct.pack_into zero-fills before it
+    packs: the watchdog once read "computing since 0" in a failure-free run.)"""
+    path = tmp_path / "progress"
+    progress.create(path)
+    writer = multiprocessing.get_context("spawn").Process(target=_busy_writer,
+                                                          args=(str(path), 3.0))
+    writer.start()
+    reads, count, torn = 0, 0, []
+    try:
+        wait_for(lambda: (s := progress.read(path)) and s.microbatches > 0, timeout=30)
+        while writer.is_alive() and reads < 300_000:
+            s = progress.read(path)
+            reads += 1
+            if (s.computing and s.compute_started_at <= 0) or s.microbatches < count or (
+                    s.microbatches > 0 and s.typical_microbatch_s <= 0) or s.beat_at <= 0:
+                torn.append(s)
+            count = s.microbatches
+    finally:
+        writer.join(10)
+    assert reads > 10_000, "the writer ended before the reader got going"
+    assert torn == [], f"{len(torn)} of {reads} reads were half-written, e.g. {torn[0]}"
