@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 
 from recover.controller import policy
+from recover.controller.admission import admit_agent
 from recover.controller.events import EventLog
 from recover.controller.jobstate import (
     TERMINAL,
@@ -28,8 +29,10 @@ from recover.controller.jobstate import (
     RegistrationRefused,
     ReplicaInfo,
     StepProgress,
-    sample_digest,
+    plan_message,
+    step_record,
 )
+from recover.controller.recoveries import RecoveryTracker
 from recover.controller.store import Store
 from recover.controller.takeover import PersistedJob, Takeover
 from recover.proto import pb
@@ -71,15 +74,9 @@ class Coordinator:
         self.redos = 0
         self._progress = StepProgress()
         self.steps: list[pb.StepRecord] = []
-        self.failures: list[pb.FailureRecord] = []
-        self._unrecovered: list[pb.FailureRecord] = []
+        self.recovery = RecoveryTracker(self.events, self._prefix + "failures/", clock)
         self.recoveries = 0
         self.stale_reports = 0
-        self.recovery_timings: list[dict[str, float]] = []
-        """Seconds per recovery phase (detect, plan, rebuild, recompute, commit), for metrics."""
-        self._pending_timing: dict[str, float] | None = None
-        self._generation_started_at = 0.0
-        self._rebuild_s: dict[int, float] = {}
         self._commit_waits: dict[int, list[float]] = {}
         self.created_at = clock()
         self.started_at = 0.0
@@ -93,6 +90,10 @@ class Coordinator:
         # The agents notice the old leader's silence about when we win the
         # election; give them their own timeout and then some to rejoin.
         self.takeover = Takeover(self, persisted, self._clock() + 2 * self._agent_timeout_s)
+
+    @property
+    def failures(self) -> list[pb.FailureRecord]:
+        return self.recovery.failures
 
     def send_to(self, agent_id: str, message: pb.ControllerMessage) -> None:
         self._send(agent_id, message)
@@ -109,24 +110,14 @@ class Coordinator:
             ids = await self.takeover.rejoin(agent_id, host, resume)
             await self._maybe_end_takeover()
             return ids
-        if self.takeover is not None and self.takeover.persisted.view is not None:
-            raise RegistrationRefused(f"job {self.job.job_id} is taking over after a leader change")
-        if self.state is not JobState.WAITING:
-            raise RegistrationRefused(
-                f"job {self.job.job_id} is {self.state}; replicas cannot join a started job yet"
-            )
-        if agent_id in self.agents:
-            raise RegistrationRefused(f"agent id {agent_id!r} is already registered")
-        if slots < 1:
-            raise RegistrationRefused(f"an agent needs at least one slot, got {slots}")
-        free = self.job.replicas - len(self.replicas)
-        if slots > free:
-            raise RegistrationRefused(
-                f"job needs {self.job.replicas} replicas and has {len(self.replicas)}; "
-                f"{slots} more slots do not fit"
-            )
-        first = len(self.replicas)
-        ids = list(range(first, first + slots))
+        admission = admit_agent(
+            agent_id, host, slots, job_id=self.job.job_id, job_state=self.state,
+            taking_over=self.takeover is not None and self.takeover.persisted.view is not None,
+            known_agents=self.agents.keys(), wanted_replicas=self.job.replicas,
+            hosted_replicas=len(self.replicas))
+        if not admission.admitted:
+            raise RegistrationRefused(admission.reason)
+        ids = list(admission.replica_ids)
         self.agents[agent_id] = AgentInfo(agent_id, host, ids, self._clock())
         for replica in ids:
             self.replicas[replica] = ReplicaInfo(replica, agent_id)
@@ -134,7 +125,7 @@ class Coordinator:
         record = pb.AgentRecord(agent_id=agent_id, host=host, replica_ids=ids)
         await self._store.put_many([(self._prefix + "job", self.job.SerializeToString()),
                                     (f"{self._prefix}agents/{agent_id}", record.SerializeToString())])
-        self.events.emit("agent-registered", f"agent {agent_id} on {host}: replicas {ids}")
+        self.events.emit("agent-registered", admission.reason)
         self._send(agent_id, pb.ControllerMessage(
             registered=pb.Registered(replica_ids=ids, job=self.job)))
         return ids
@@ -217,24 +208,8 @@ class Coordinator:
             self.stale_reports += 1
             return
         self._progress.resumed[replica] = msg.at
-        self._rebuild_s[replica] = msg.rebuild_s
-        if self._unrecovered and set(self._progress.resumed) >= set(self.members):
-            at = max(self._progress.resumed.values())
-            for failure in self._unrecovered:
-                failure.recovered_at = at
-            first = self._unrecovered[0]
-            self._pending_timing = {
-                "detect": first.detected_at - first.killed_at if first.killed_at else 0.0,
-                "plan": max(self._generation_started_at - first.detected_at, 0.0),
-                "rebuild": max(self._rebuild_s.values(), default=0.0),
-                "resumed_at": at,
-            }
-            self.events.emit(
-                "recovered",
-                f"all {len(self.members)} survivors compute again in generation "
-                f"{self.generation}, {at - self._unrecovered[0].detected_at:.3f}s after detection",
-                step=self.step, generation=self.generation)
-            self._unrecovered.clear()
+        self.recovery.resumed(replica, max(self._progress.resumed.values()), msg.rebuild_s,
+                              set(self._progress.resumed), self.members, self.step, self.generation)
 
     async def reduced(self, replica: int, msg: pb.Reduced) -> None:
         if (self.state is not JobState.RUNNING or msg.generation != self.generation
@@ -278,11 +253,10 @@ class Coordinator:
         self.members = members
         self.plan = dict(decision.assignment)
         self._progress = StepProgress()
-        self._rebuild_s = {}
-        self._generation_started_at = self._clock()
+        self.recovery.generation_started()
         view = pb.GenerationView(
             generation=self.generation, members=members, rendezvous=self._rendezvous,
-            plan=self._plan_message(self.step, decision))
+            plan=plan_message(self.step, self.generation, self.scale_epoch, decision))
         await self._store.put(self._prefix + "generation", view.SerializeToString())
         self.events.emit("generation", f"members {members}; {decision.reason}",
                          step=self.step, generation=self.generation)
@@ -329,13 +303,7 @@ class Coordinator:
             self.events.emit("loss-mismatch", f"members reduced different losses {sorted(losses)}",
                              step=self.step, generation=self.generation, level=logging.WARNING)
         job = self.job
-        record = pb.StepRecord(
-            step=self.step, generation=self.generation,
-            microbatches=sum(len(r.microbatch_ids) for r in reports),
-            sample_digest=sample_digest(s for r in reports for s in r.sample_ids),
-            loss=reports[0].loss, committed_at=self._clock(),
-            tokens=job.global_microbatches * job.microbatch_size * job.model.seq_len,
-            compute_s=max(r.compute_s for r in reports), reduce_s=min(r.reduce_s for r in reports))
+        record = step_record(job, self.step, self.generation, reports, self._clock())
         # Durable before anyone applies: a new leader must know this step committed.
         # The previous record rides along in the same write with the parameter
         # digests its members reported since (no extra round trip per step).
@@ -345,12 +313,7 @@ class Coordinator:
             previous = self.steps[-1]
             writes.append((f"{self._prefix}steps/{previous.step:010d}", previous.SerializeToString()))
         await self._store.put_many(writes)
-        if self._pending_timing is not None:
-            timing, self._pending_timing = self._pending_timing, None
-            resumed_at = timing.pop("resumed_at")
-            timing["recompute"] = max(before_store - resumed_at, 0.0)
-            timing["commit"] = self._clock() - before_store
-            self.recovery_timings.append(timing)
+        self.recovery.committed(before_store)
         self.steps.append(record)
         step, self.step = self.step, self.step + 1
         self.scale_epoch = 0
@@ -359,7 +322,7 @@ class Coordinator:
         if not final:
             decision = policy.uniform_plan(self.members, job.global_microbatches)
             self.plan = dict(decision.assignment)
-            commit.next_plan.CopyFrom(self._plan_message(self.step, decision))
+            commit.next_plan.CopyFrom(plan_message(self.step, self.generation, 0, decision))
         self._progress.reduced.clear()
         self.broadcast(pb.ControllerMessage(commit=commit))
 
@@ -424,13 +387,6 @@ class Coordinator:
             if self.agents[agent_id].alive:
                 self._send(agent_id, message)
 
-    def _plan_message(self, step: int, decision: policy.PlanDecision) -> pb.Plan:
-        return pb.Plan(
-            step=step, generation=self.generation, reason=decision.reason,
-            scale_epoch=self.scale_epoch if step == self.step else 0,
-            assignments=[pb.Assignment(replica=r, microbatch_ids=ids)
-                         for r, ids in decision.assignment.items()])
-
     def _observed_phase(self, replica: int) -> str:
         if self.state is JobState.WAITING:
             return "startup"
@@ -440,19 +396,6 @@ class Coordinator:
 
     def record_failure(self, replica: int, cause: str, exited: pb.WorkerExited | None,
                        phase: str = "") -> None:
-        now = self._clock()
-        record = pb.FailureRecord(
-            step=self.step, replica=replica, cause=cause, detected_at=now,
-            generation=self.generation, phase=phase or self._observed_phase(replica))
-        if exited is not None and exited.HasField("fault"):
-            record.phase = exited.fault.phase
-            record.killed_at = exited.fault.killed_at
-            record.step = exited.fault.step
-        self.failures.append(record)
-        self.events.defer(f"{self._prefix}failures/{len(self.failures):06d}", record.SerializeToString())
-        if self.state is JobState.RUNNING:
-            self._unrecovered.append(record)
-        detail = f" ({exited.killed_by_agent})" if exited is not None and exited.killed_by_agent else ""
-        self.events.emit("replica-failed", f"{cause} failure in phase {record.phase}{detail}",
-                         step=record.step, generation=self.generation, replica=replica,
-                         level=logging.WARNING)
+        self.recovery.failed(replica, cause, exited, step=self.step, generation=self.generation,
+                             phase=phase or self._observed_phase(replica),
+                             during_training=self.state is JobState.RUNNING)

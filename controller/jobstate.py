@@ -1,4 +1,5 @@
-"""The job's state as the coordinator keeps it: lifecycle, agents, replicas, the step in flight."""
+"""The job's state as the coordinator keeps it: lifecycle, agents, replicas, the step in
+flight, and the messages and records built from it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from recover.controller.policy import PlanDecision
 from recover.proto import pb
 
 
@@ -55,6 +57,25 @@ def sample_digest(sample_ids: Iterable[int]) -> str:
     """Ledger entry of a step: sha256 of its sorted sample ids as little-endian int64."""
     ids = sorted(sample_ids)
     return hashlib.sha256(struct.pack(f"<{len(ids)}q", *ids)).hexdigest()
+
+
+def plan_message(step: int, generation: int, scale_epoch: int,
+                 decision: PlanDecision) -> pb.Plan:
+    return pb.Plan(step=step, generation=generation, reason=decision.reason, scale_epoch=scale_epoch,
+                   assignments=[pb.Assignment(replica=r, microbatch_ids=ids)
+                                for r, ids in decision.assignment.items()])
+
+
+def step_record(job: pb.JobConfig, step: int, generation: int, reports: list[pb.Reduced],
+                committed_at: float) -> pb.StepRecord:
+    """The ledger entry of a step about to commit, from its members' reduction reports."""
+    return pb.StepRecord(
+        step=step, generation=generation,
+        microbatches=sum(len(r.microbatch_ids) for r in reports),
+        sample_digest=sample_digest(s for r in reports for s in r.sample_ids),
+        loss=reports[0].loss, committed_at=committed_at,
+        tokens=job.global_microbatches * job.microbatch_size * job.model.seq_len,
+        compute_s=max(r.compute_s for r in reports), reduce_s=min(r.reduce_s for r in reports))
 
 
 @dataclass

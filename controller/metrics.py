@@ -40,9 +40,9 @@ from prometheus_client.registry import Collector
 
 from recover.controller.coordinator import Coordinator, JobState
 from recover.controller.leader import LeaderElection
+from recover.controller.recoveries import PHASES
 
 RECOVERY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-PHASES = ("detect", "plan", "rebuild", "recompute", "commit")
 
 
 class ControllerCollector(Collector):
@@ -87,7 +87,7 @@ class ControllerCollector(Collector):
         histogram = HistogramMetricFamily("recover_recovery_seconds",
                                           "Recovery time by phase", labels=["phase"])
         for phase in PHASES:
-            values = [t[phase] for t in c.recovery_timings if phase in t]
+            values = [t[phase] for t in c.recovery.timings if phase in t]
             buckets = [(str(b), sum(v <= b for v in values)) for b in RECOVERY_BUCKETS]
             buckets.append(("+Inf", len(values)))
             histogram.add_metric([phase], buckets, sum_value=sum(values))

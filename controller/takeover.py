@@ -115,7 +115,7 @@ class Takeover:
         self.rejoined: set[str] = set()
         c.steps = list(persisted.steps)
         c.step = len(c.steps)
-        c.failures = list(persisted.failures)
+        c.recovery.failures = list(persisted.failures)
         c.recoveries = len({f.generation for f in c.failures})
         c.events.restore(persisted.events)
         started = next((e.at for e in persisted.events if e.kind == "started"), 0.0)

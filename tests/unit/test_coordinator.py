@@ -16,8 +16,8 @@ from recover.controller.coordinator import (
     Coordinator,
     JobState,
     RegistrationRefused,
-    sample_digest,
 )
+from recover.controller.jobstate import sample_digest
 from recover.controller.store import MemoryStore
 from recover.proto import pb
 
