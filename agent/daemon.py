@@ -22,7 +22,7 @@ import grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
 from recover.agent import fencing
-from recover.agent.link import LinkError, Session, open_session
+from recover.agent.link import LinkError, Session, close_session, open_session
 from recover.agent.local import WorkerChannelService
 from recover.agent.metrics import AgentCollector
 from recover.agent.workers import WorkerProcess, exit_report, spawn_worker, stop_workers
@@ -156,7 +156,7 @@ class Agent:
                 while not await self._pump(session):
                     # The leader is gone (or stood down): the workers keep going
                     # while we find the new one and rejoin it.
-                    await session.channel.close()
+                    await close_session(session)
                     log.warning("lost the session with the controller at %s; looking for the "
                                 "leader", session.address)
                     self.reconnects += 1
@@ -169,7 +169,7 @@ class Agent:
                 self._upstream.put_nowait(None)
                 if server is not None:
                     await server.stop(grace=0.2)
-                await session.channel.close()
+                await close_session(session)
         assert self._shutdown is not None
         log.info("job ended: %s", self._shutdown.reason)
         return 0 if self._shutdown.success else 1

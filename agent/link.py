@@ -50,6 +50,19 @@ async def _requests(queue: asyncio.Queue[pb.AgentMessage | None]) -> AsyncIterat
         yield message
 
 
+async def _close(channel: grpc.aio.Channel, queue: asyncio.Queue[pb.AgentMessage | None]) -> None:
+    """End our request stream, then close the channel. A request generator left
+    suspended in `queue.get()` is finalized later and logs "aclose(): asynchronous
+    generator is already running" (seen after every leader change)."""
+    queue.put_nowait(None)
+    await asyncio.sleep(0)  # let gRPC's request consumer see the end
+    await channel.close()
+
+
+async def close_session(session: Session) -> None:
+    await _close(session.channel, session.upstream)
+
+
 async def _first_non_heartbeat(call: grpc.aio.StreamStreamCall) -> Any:
     """The leader heartbeats every session it holds, and ours is in its table while
     its registration waits for the store: a heartbeat may come before `registered`."""
@@ -78,16 +91,16 @@ async def _attempt(address: str, first: list[pb.AgentMessage], attempt_s: float,
         # leave a half-registered agent behind.
         reply = await asyncio.wait_for(_first_non_heartbeat(call), reply_s)
     except grpc.aio.AioRpcError as exc:
-        await channel.close()
+        await _close(channel, queue)
         if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
             raise LinkError(f"the controller at {address} refused this agent: {exc.details()}"
                             ) from None
         return exc.details() or exc.code().name
     except TimeoutError:
-        await channel.close()
+        await _close(channel, queue)
         return f"{address}: no answer to the session"
     if reply is grpc.aio.EOF or reply.WhichOneof("kind") != "registered":
-        await channel.close()
+        await _close(channel, queue)
         return f"{address}: closed the session before registering us"
     return Session(channel, call, queue, reply.registered, address, reply.term)
 

@@ -36,6 +36,7 @@ class AgentChannel:
         self._outgoing: queue.SimpleQueue[pb.WorkerReport | None] = queue.SimpleQueue()
         self._incoming: queue.SimpleQueue[pb.WorkerCommand | None] = queue.SimpleQueue()
         self._receiver: threading.Thread | None = None
+        self._closing = False
 
     def set_generation_hook(self, hook: Callable[[int], None]) -> None:
         self._on_generation = hook
@@ -66,7 +67,8 @@ class AgentChannel:
                     self._on_generation(command.generation.generation)
                 self._incoming.put(command)
         except grpc.RpcError as exc:
-            log.warning("agent channel failed: %s", exc.code().name)
+            if not self._closing:  # our own close() cancels the stream: not a failure
+                log.warning("agent channel failed: %s", exc.code().name)
         finally:
             self._incoming.put(None)
 
@@ -104,5 +106,6 @@ class AgentChannel:
             pass
 
     def close(self) -> None:
+        self._closing = True
         self._outgoing.put(None)
         self._channel.close()

@@ -64,3 +64,9 @@ def test_training_carries_on_through_a_whole_etcd_cluster_restart(tmp_path: Path
     verdict = compare(reference.summary, summary)
     assert verdict.identical, verdict.message
     assert summary["param_sha256"] == reference.summary["param_sha256"]
+    # Nothing alarming in the logs of a run that went well (a request stream left
+    # open across the leader change used to log "Task exception was never retrieved").
+    for log_file in (out / "logs").glob("*.log"):
+        text = log_file.read_text()
+        for alarm in ("Traceback", "Task exception was never retrieved", "channel failed"):
+            assert alarm not in text, f"{log_file.name}: {alarm}"
