@@ -86,6 +86,10 @@ def build_summary(report: pb.RunReport, wall_s: float) -> dict[str, Any]:
         "param_sha256": agreed_digest(steps[-1]) if steps else None,
         "failures": [failure_entry(f, report.started_at) for f in report.failures],
         "recoveries": report.status.recoveries,
+        # Per recovery this controller saw: seconds in detect, plan, rebuild, recompute, commit.
+        "recovery_phases_s": [{field.name.removesuffix("_s"): round(getattr(timing, field.name), 5)
+                               for field in timing.DESCRIPTOR.fields}
+                              for timing in report.recovery_timings],
         "wall_s": round(wall_s, 3),
         "train_s": round(report.finished_at - report.started_at, 3)
         if report.finished_at and report.started_at else None,

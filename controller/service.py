@@ -222,7 +222,10 @@ class ControlService(rpc.ControlServicer):
         c = await self._leading(context)
         return pb.RunReport(
             job=c.job, status=job_status(c), steps=c.steps, failures=c.failures,
-            started_at=c.started_at, finished_at=c.finished_at)
+            started_at=c.started_at, finished_at=c.finished_at,
+            recovery_timings=[pb.RecoveryTiming(**{f"{phase}_s": seconds for phase, seconds
+                                                   in timing.items()})
+                              for timing in c.recovery.timings])
 
 
 def job_status(c: Coordinator) -> pb.JobStatus:

@@ -458,22 +458,38 @@ class FailureRecord(_message.Message):
     generation: int
     def __init__(self, step: _Optional[int] = ..., replica: _Optional[int] = ..., phase: _Optional[str] = ..., cause: _Optional[str] = ..., killed_at: _Optional[float] = ..., detected_at: _Optional[float] = ..., recovered_at: _Optional[float] = ..., generation: _Optional[int] = ...) -> None: ...
 
+class RecoveryTiming(_message.Message):
+    __slots__ = ("detect_s", "plan_s", "rebuild_s", "recompute_s", "commit_s")
+    DETECT_S_FIELD_NUMBER: _ClassVar[int]
+    PLAN_S_FIELD_NUMBER: _ClassVar[int]
+    REBUILD_S_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_S_FIELD_NUMBER: _ClassVar[int]
+    detect_s: float
+    plan_s: float
+    rebuild_s: float
+    recompute_s: float
+    commit_s: float
+    def __init__(self, detect_s: _Optional[float] = ..., plan_s: _Optional[float] = ..., rebuild_s: _Optional[float] = ..., recompute_s: _Optional[float] = ..., commit_s: _Optional[float] = ...) -> None: ...
+
 class ReportRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class RunReport(_message.Message):
-    __slots__ = ("job", "status", "steps", "failures", "started_at", "finished_at")
+    __slots__ = ("job", "status", "steps", "failures", "started_at", "finished_at", "recovery_timings")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    RECOVERY_TIMINGS_FIELD_NUMBER: _ClassVar[int]
     job: JobConfig
     status: JobStatus
     steps: _containers.RepeatedCompositeFieldContainer[StepRecord]
     failures: _containers.RepeatedCompositeFieldContainer[FailureRecord]
     started_at: float
     finished_at: float
-    def __init__(self, job: _Optional[_Union[JobConfig, _Mapping]] = ..., status: _Optional[_Union[JobStatus, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepRecord, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[FailureRecord, _Mapping]]] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ...) -> None: ...
+    recovery_timings: _containers.RepeatedCompositeFieldContainer[RecoveryTiming]
+    def __init__(self, job: _Optional[_Union[JobConfig, _Mapping]] = ..., status: _Optional[_Union[JobStatus, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepRecord, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[FailureRecord, _Mapping]]] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., recovery_timings: _Optional[_Iterable[_Union[RecoveryTiming, _Mapping]]] = ...) -> None: ...

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 def test_failure_free_run(reference: dict[str, Any]) -> None:
     assert reference["state"] == "succeeded"
-    assert reference["failures"] == []
+    assert reference["failures"] == [] and reference["recovery_phases_s"] == []
     assert reference["steps_committed"] == 6
     assert reference["microbatches_per_step"] == [12] * 6
     assert len(set(reference["sample_digest_per_step"])) == 6  # every step reads new samples
@@ -45,6 +45,11 @@ def test_kill_in_each_phase(phase: str, tmp_path: Path, reference: dict[str, Any
     [failure] = summary["failures"]
     assert (failure["step"], failure["replica"], failure["phase"]) == (2, 1, phase)
     assert failure["recovered_s"] is not None and failure["recovered_s"] < 5
+    # The controller's own split of the one recovery; an injected kill is timed from the kill.
+    [timing] = summary["recovery_phases_s"]
+    assert sorted(timing) == ["commit", "detect", "plan", "rebuild", "recompute"]
+    assert all(0 <= seconds < 5 for seconds in timing.values()), timing
+    assert timing["detect"] > 0 and timing["rebuild"] > 0 and timing["commit"] > 0, timing
     assert summary["live_replicas"] == [0, 2, 3]
     # From the step after the failure on, three replicas carry all M microbatches.
     assert summary["generation_per_step"][-1] == 2
