@@ -3,7 +3,9 @@
 One gRPC channel to every listed member (`ipv4:a:p1,b:p2,...`): when the
 member in use dies, gRPC moves to another. Every operation is retried with
 backoff for `retry_s`, which covers an etcd leader election (~2 s); after
-that it fails with StoreError and a reason a user can act on.
+that it fails with StoreError and a reason a user can act on. A watch has
+no such deadline: it is re-created from the next revision for as long as
+its consumer listens (etcd keeps the history, so nothing is skipped).
 """
 
 from __future__ import annotations
@@ -11,17 +13,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import TypeVar
 
 import aetcd
 import aetcd.exceptions
 
-from recover.controller.store import Compare, Store, StoreError, Write
+from recover.controller.store import Compare, KeyChange, Store, StoreError, Write
 
 log = logging.getLogger("recover.controller")
 
 T = TypeVar("T")
+
+CANCEL_WATCH_S = 0.5
+"""How long dropping a watch may take before we stop waiting for it."""
 
 RETRYABLE = (
     aetcd.exceptions.ConnectionFailedError,
@@ -127,6 +132,55 @@ class EtcdStore(Store):
             return bool(succeeded)
 
         return await self._retry("write", run)
+
+    async def _read(self, key: str) -> KeyChange:
+        """The key's value with the store revision it was read at (even when absent)."""
+        raw = key.encode()
+        result = await self._retry("read", lambda: self._client.get_range(raw, raw + b"\0"))
+        value = bytes(result.kvs[0].value) if len(result) else None
+        return KeyChange(int(result.header.revision), value)
+
+    async def watch(self, key: str) -> AsyncIterator[KeyChange]:
+        first = await self._read(key)
+        yield first
+        async for change in self._changes_after(key, first.revision):
+            yield change
+
+    async def _changes_after(self, key: str, revision: int) -> AsyncIterator[KeyChange]:
+        delay = 0.05
+        while True:
+            try:
+                # From the revision after the last one seen: a watch re-created after
+                # a break (member lost, etcd restarted) replays what happened meanwhile.
+                watch = await self._client.watch(key.encode(), start_revision=revision + 1)
+                try:
+                    async for event in watch:
+                        revision, delay = int(event.kv.mod_revision), 0.05
+                        yield KeyChange(revision, None if event.kind == "DELETE"
+                                        else bytes(event.kv.value))
+                finally:
+                    await self._cancel_watch(watch)
+            except aetcd.exceptions.RevisionCompactedError:
+                log.warning("watch of %s fell behind a compaction; reading it afresh", key)
+                current = await self._read(key)
+                revision = current.revision
+                yield current
+            except RETRYABLE as exc:
+                log.warning("watch of %s broke (%s); re-creating it from revision %d", key,
+                            type(exc).__name__, revision + 1)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    @staticmethod
+    async def _cancel_watch(watch: aetcd.rtypes.Watch) -> None:
+        """Tell etcd to drop a watch, bounded: aetcd's cancel takes its watcher's lock and
+        queues a request on the shared watch stream, and a consumer that stopped
+        watching must not wait on either for long. If it does not get through, the
+        server-side watch lingers only until the stream or the client closes."""
+        try:
+            await asyncio.wait_for(watch.cancel(), CANCEL_WATCH_S)
+        except (TimeoutError, aetcd.exceptions.ClientError):
+            pass
 
     async def grant_lease(self, ttl_s: int) -> int:
         lease = await self._retry("grant a lease", lambda: self._client.lease(ttl_s))

@@ -2,12 +2,14 @@
 
 Two or more controllers share one store. The leader holds a key
 (`/recover/<job>/leader`, a `LeaderRecord`) attached to a lease of `ttl_s`
-seconds that it keeps alive; the others poll the key and campaign when it is
-gone: the lease expired (the leader crashed or was cut off) or was revoked
-(clean shutdown). Campaigning is one transaction: "the leader key is absent
-and the term counter still reads t" -> put the leader key (on my lease) and
-term t+1. So terms increase monotonically and two controllers never win the
-same term.
+seconds that it keeps alive; the others watch the key and campaign when it
+is gone: the lease expired (the leader crashed or was cut off) or was revoked
+(clean shutdown). The watch wakes a standby within a store round trip; a slow
+re-read (`recheck_s`) is the safety net for a watch that is stuck without
+knowing it (an etcd member cut off from its cluster sends nothing).
+Campaigning is one transaction: "the leader key is absent and the term
+counter still reads t" -> put the leader key (on my lease) and term t+1. So
+terms increase monotonically and two controllers never win the same term.
 
 A leader must not act once it may have lost the lease, even if nobody told
 it (it was stopped, or cut off from etcd): `holds()` trusts a local clock
@@ -21,11 +23,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from recover.controller.store import Compare, Store, StoreError, Write
+from recover.controller.store import Compare, KeyChange, Store, StoreError, Write
 from recover.proto import pb
 
 log = logging.getLogger("recover.controller")
@@ -57,8 +59,8 @@ class ElectionConfig:
     """Lease TTL: how long a crashed leader blocks a takeover (etcd's minimum is ~1.5 s)."""
     refresh_s: float = 0.5
     """Keep-alive period of the leader's lease (several per TTL)."""
-    poll_s: float = 0.05
-    """How often a standby looks at the leader key (bounds takeover after a clean shutdown)."""
+    recheck_s: float = 1.0
+    """How often a standby re-reads the leader key although its watch reported nothing."""
     margin_s: float = 0.3
     """The leader stops acting this long before its lease could expire (clock-rate slack)."""
 
@@ -101,6 +103,9 @@ class LeaderElection:
         self._valid_until = 0.0
         self.refused_writes = 0
         """Writes refused because this controller no longer led (fenced), over its lifetime."""
+        self._changed = asyncio.Event()
+        """Set by the leader-key watch on every change: wakes a campaigning standby."""
+        self._watcher: asyncio.Task[None] | None = None
 
     async def leader(self) -> pb.LeaderRecord | None:
         """The current leader as the store has it (None: no leader right now)."""
@@ -113,8 +118,15 @@ class LeaderElection:
 
     async def campaign(self) -> int:
         """Wait as a standby until this controller wins a term; return the term."""
+        if self._watcher is None:
+            # One watch for the controller's life, not one per campaign: a watch task
+            # cancelled while aetcd was still creating the watch did not end for
+            # seconds under load (measured: 6 of 250 campaigns on a loaded machine).
+            self._watcher = asyncio.create_task(self._watch_leader_key(self._changed))
+        changed = self._changed
         announced = None
         while True:
+            changed.clear()  # before the read: a change after it wakes the wait below
             current = await self._read_or_none()
             if current is None:
                 try:
@@ -128,7 +140,28 @@ class LeaderElection:
                 announced = current.controller_id
                 log.info("standing by: %s leads term %d at %s", current.controller_id,
                          current.term, current.address)
-            await asyncio.sleep(self.config.poll_s)
+            try:
+                await asyncio.wait_for(changed.wait(), self.config.recheck_s)
+            except TimeoutError:
+                pass
+
+    async def _watch_leader_key(self, changed: asyncio.Event) -> None:
+        """Set `changed` on every change of the leader key (and once when the watch starts)."""
+        while True:
+            try:
+                async for _ in self.store.watch(self.leader_key):
+                    changed.set()
+            except Exception as exc:  # noqa: BLE001 - a wake-up aid: the re-read timer stands in
+                log.warning("cannot watch the leader key (%s: %s); re-reading it every %.1fs",
+                            type(exc).__name__, exc, self.config.recheck_s)
+            await asyncio.sleep(self.config.recheck_s)
+
+    async def close(self) -> None:
+        """Stop watching the leader key (bounded: see campaign)."""
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            watcher.cancel()
+            await asyncio.wait({watcher}, timeout=1.0)
 
     async def _read_or_none(self) -> pb.LeaderRecord | None | bool:
         try:
@@ -218,6 +251,9 @@ class LeaderStore(Store):
 
     async def get_prefix(self, prefix: str) -> list[tuple[str, bytes]]:
         return await self._inner.get_prefix(prefix)
+
+    def watch(self, key: str) -> AsyncIterator[KeyChange]:
+        return self._inner.watch(key)
 
     async def put(self, key: str, value: bytes) -> None:
         await self._write([Write(key, value)])

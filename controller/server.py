@@ -136,6 +136,7 @@ async def serve(config: ControllerConfig, job: pb.JobConfig) -> int:
         # Bounded: with the store gone, shutting down must not hang on it.
         with contextlib.suppress(Exception):
             await asyncio.wait_for(election.resign(), 2.0)  # a standby takes over at once
+        await election.close()
         sessions.release()
         await server.stop(grace=0.5)
         with contextlib.suppress(Exception):

@@ -11,7 +11,7 @@ import abc
 import asyncio
 import itertools
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import NamedTuple
 
 
@@ -30,6 +30,15 @@ class Write(NamedTuple):
 
 Compare = tuple[str, bytes | None]
 """(key, value the key must hold) for a transaction; None: the key must be absent."""
+
+
+class KeyChange(NamedTuple):
+    """One observation of a watched key."""
+
+    revision: int
+    """Store revision of the change (or of the read, for the first observation)."""
+    value: bytes | None
+    """The key's value after the change; None: absent (deleted, or its lease ended)."""
 
 
 class Store(abc.ABC):
@@ -85,6 +94,17 @@ class Store(abc.ABC):
     async def revoke_lease(self, lease: int) -> None:
         """End the lease now, deleting its keys (no error when already gone)."""
 
+    @abc.abstractmethod
+    def watch(self, key: str) -> AsyncIterator[KeyChange]:
+        """The key's value now, then its value after every change, in revision order.
+
+        Iterate it with `async for`; it ends only when the consumer stops. A store
+        whose connection breaks re-creates the watch from the revision after the
+        last one seen, so no change is skipped; one that cannot (history compacted)
+        reports the key's current value instead. Consumers that cannot afford a
+        stuck watch (a partitioned etcd member sends nothing) re-read on a timer.
+        """
+
     async def close(self) -> None:
         """Release connections."""
 
@@ -104,6 +124,19 @@ class MemoryStore(Store):
         self._leases: dict[int, tuple[float, int]] = {}
         """lease id -> (expiry on `clock`, TTL in seconds)."""
         self._leased_keys: dict[int, set[str]] = {}
+        self._revision = 0
+        self._watchers: dict[str, list[asyncio.Queue[KeyChange]]] = {}
+
+    def _set(self, key: str, value: bytes | None) -> None:
+        """Every mutation goes through here, so watchers see each one."""
+        if value is None:
+            if self._data.pop(key, None) is None:
+                return  # deleting an absent key changes nothing
+        else:
+            self._data[key] = bytes(value)
+        self._revision += 1
+        for queue in self._watchers.get(key, ()):
+            queue.put_nowait(KeyChange(self._revision, value))
 
     def _expire(self) -> None:
         now = self._clock()
@@ -112,21 +145,45 @@ class MemoryStore(Store):
 
     def _drop_lease(self, lease: int) -> None:
         self._leases.pop(lease, None)
-        for key in self._leased_keys.pop(lease, set()):
-            self._data.pop(key, None)
+        for key in sorted(self._leased_keys.pop(lease, set())):
+            self._set(key, None)
+
+    def _until_next_expiry(self) -> float | None:
+        if not self._leases:
+            return None
+        return max(0.0, min(expiry for expiry, _ in self._leases.values()) - self._clock())
+
+    async def watch(self, key: str) -> AsyncIterator[KeyChange]:
+        queue: asyncio.Queue[KeyChange] = asyncio.Queue()
+        self._watchers.setdefault(key, []).append(queue)
+        try:
+            self._expire()
+            yield KeyChange(self._revision, self._data.get(key))
+            while True:
+                # Leases end lazily here (on access): wake for the next expiry so a
+                # watcher sees a leased key vanish although nobody reads the store.
+                try:
+                    change = await asyncio.wait_for(queue.get(), self._until_next_expiry())
+                except TimeoutError:
+                    self._expire()
+                    continue
+                yield change
+        finally:
+            self._watchers[key].remove(queue)
 
     async def get(self, key: str) -> bytes | None:
         self._expire()
         return self._data.get(key)
 
     async def put(self, key: str, value: bytes) -> None:
-        self._data[key] = bytes(value)
+        self._set(key, value)
 
     async def put_many(self, items: Iterable[tuple[str, bytes]]) -> None:
-        self._data.update((k, bytes(v)) for k, v in items)
+        for key, value in items:
+            self._set(key, value)
 
     async def delete(self, key: str) -> None:
-        self._data.pop(key, None)
+        self._set(key, None)
 
     async def get_prefix(self, prefix: str) -> list[tuple[str, bytes]]:
         self._expire()
@@ -136,7 +193,7 @@ class MemoryStore(Store):
         async with self._lock:
             if self._data.get(key) != expected:
                 return False
-            self._data[key] = bytes(value)
+            self._set(key, value)
             return True
 
     async def transaction(self, compares: Sequence[Compare], writes: Sequence[Write]) -> bool:
@@ -146,7 +203,7 @@ class MemoryStore(Store):
         if any(w.lease and w.lease not in self._leases for w in writes):
             return False  # etcd refuses a put on an unknown lease; so do we
         for w in writes:
-            self._data[w.key] = bytes(w.value)
+            self._set(w.key, w.value)
             if w.lease:
                 self._leased_keys.setdefault(w.lease, set()).add(w.key)
         return True

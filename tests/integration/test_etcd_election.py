@@ -21,7 +21,7 @@ def test_etcd_election_expiry_revoke_and_fencing(tmp_path: Path) -> None:
 
     async def scenario() -> None:
         store = EtcdStore(cluster.endpoints())
-        config = ElectionConfig(ttl_s=2, poll_s=0.02)
+        config = ElectionConfig(ttl_s=2, recheck_s=30.0)  # only the watch wakes a standby in time
         a = LeaderElection(store, "e", "a:1", "a", config)
         b = LeaderElection(store, "e", "b:1", "b", config)
         assert await a.campaign() == 1
@@ -44,6 +44,8 @@ def test_etcd_election_expiry_revoke_and_fencing(tmp_path: Path) -> None:
         c = LeaderElection(store, "e", "c:1", "c", config)
         assert await asyncio.wait_for(c.campaign(), 5) == 3
         assert time.monotonic() - started < 0.5  # revoked: no TTL to wait for
+        for election in (a, b, c):
+            await election.close()
         await store.close()
 
     try:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from recover.controller.etcd_store import EtcdStore, parse_etcd_url
-from recover.controller.store import StoreError, open_store
+from recover.controller.store import KeyChange, StoreError, open_store
 from tests.etcd_cluster import EtcdCluster, free_port
 
 
@@ -72,6 +72,79 @@ def test_survives_losing_one_member_of_three(trio: EtcdCluster) -> None:
     run(scenario())
 
 
+class Watching:
+    """Collects a key's watch in a background task, for tests that break etcd under it."""
+
+    def __init__(self, store: EtcdStore, key: str) -> None:
+        self.seen: list[KeyChange] = []
+        self._task = asyncio.create_task(self._collect(store, key))
+
+    async def _collect(self, store: EtcdStore, key: str) -> None:
+        async for change in store.watch(key):
+            self.seen.append(change)
+
+    async def until(self, count: int, timeout_s: float = 20.0) -> list[KeyChange]:
+        deadline = time.monotonic() + timeout_s
+        while len(self.seen) < count:
+            assert time.monotonic() < deadline, f"watch saw only {self.seen} of {count} changes"
+            await asyncio.sleep(0.02)
+        return self.seen
+
+    async def stop(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+
+def test_a_watch_outlives_member_loss_and_skips_nothing(trio: EtcdCluster) -> None:
+    async def scenario() -> None:
+        watched = EtcdStore(trio.endpoints(), retry_s=15)
+        writer = EtcdStore(trio.endpoints(), retry_s=15)
+        await writer.put("/w", b"start")
+        watching = Watching(watched, "/w")
+        assert [c.value for c in await watching.until(1)] == [b"start"]
+        for victim in range(3):  # one of these is the member the watch streams from
+            trio.kill_member(victim)
+            # Written while the watch may be broken: it must come back from the
+            # revision after the last one it saw, not from "now".
+            for i in range(3):
+                await writer.put("/w", f"{victim}.{i}".encode())
+            await writer.delete("/w")
+            await watching.until(1 + 4 * (victim + 1))
+            trio.start_member(victim)
+            trio.wait_healthy(members=[victim])
+        seen = watching.seen
+        expected = [b"start"] + [v for victim in range(3)
+                                 for v in (*(f"{victim}.{i}".encode() for i in range(3)), None)]
+        assert [c.value for c in seen] == expected  # every change once, in order
+        assert [c.revision for c in seen] == sorted({c.revision for c in seen})
+        await watching.stop()
+        await watched.close()
+        await writer.close()
+
+    run(scenario())
+
+
+def test_a_watch_behind_a_compaction_reports_the_current_value(single: EtcdCluster) -> None:
+    async def scenario() -> None:
+        store = EtcdStore(single.endpoints())
+        await store.put("/c", b"1")
+        start = (await store._read("/c")).revision
+        for value in (b"2", b"3"):
+            await store.put("/c", value)
+        latest = (await store._read("/c")).revision
+        await store._client.compact(latest)
+        # As if a watch broke at `start` and came back after the compaction: the
+        # revisions in between are gone, so the current value is what it reports.
+        changes = store._changes_after("/c", start)
+        assert await asyncio.wait_for(anext(changes), 5) == KeyChange(latest, b"3")
+        await store.put("/c", b"4")
+        assert (await asyncio.wait_for(anext(changes), 5)).value == b"4"
+        await changes.aclose()
+        await store.close()
+
+    run(scenario())
+
+
 def test_data_survives_a_whole_cluster_restart(trio: EtcdCluster) -> None:
     async def write() -> None:
         store = EtcdStore(trio.endpoints())
@@ -88,6 +161,22 @@ def test_data_survives_a_whole_cluster_restart(trio: EtcdCluster) -> None:
     trio.restart()
     items = run(read())
     assert [v for _, v in items] == [str(i).encode() for i in range(50)]
+
+
+def test_a_watch_outlives_a_whole_cluster_restart(single: EtcdCluster) -> None:
+    async def scenario() -> None:
+        store = EtcdStore(single.endpoints(), retry_s=20)
+        watching = Watching(store, "/r")
+        await watching.until(1)
+        await store.put("/r", b"before")
+        await watching.until(2)
+        await asyncio.to_thread(single.restart)
+        await store.put("/r", b"after")
+        assert [c.value for c in await watching.until(3)] == [None, b"before", b"after"]
+        await watching.stop()
+        await store.close()
+
+    run(scenario())
 
 
 def test_unreachable_etcd_is_a_clear_error() -> None:

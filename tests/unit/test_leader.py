@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -76,6 +77,36 @@ def test_election_terms_increase_and_a_deposed_leader_cannot_write() -> None:
         await b.resign()
         c = LeaderElection(store, "j", "c:1", "c", config, clock)
         assert await c.campaign() == 3  # revoked: no TTL to wait for
+        for election in (a, b, c):
+            await election.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_standby_is_woken_by_its_watch_not_by_its_recheck_timer() -> None:
+    store = MemoryStore()
+    config = ElectionConfig(ttl_s=2, recheck_s=60.0)  # only the watch can wake it in time
+
+    async def scenario() -> None:
+        a = LeaderElection(store, "j", "a:1", "a", config)
+        b = LeaderElection(store, "j", "b:1", "b", config)
+        assert await a.campaign() == 1
+        standby = asyncio.create_task(b.campaign())
+        await asyncio.sleep(0.2)  # b has read the key, found a, and waits
+        assert not standby.done()
+        started = time.monotonic()
+        await a.resign()
+        assert await asyncio.wait_for(standby, 1.0) == 2
+        assert time.monotonic() - started < 0.5
+        # An expired lease (a leader that crashed) wakes a standby as well.
+        c = LeaderElection(store, "j", "c:1", "c", config)
+        standby = asyncio.create_task(c.campaign())
+        await asyncio.sleep(0.2)
+        assert not standby.done()
+        assert await asyncio.wait_for(standby, 4.0) == 3  # b never refreshes: TTL 2 s
+        for election in (a, b, c):
+            await election.close()
+        assert store._watchers["/recover/j/leader"] == []  # closed: no watch left behind
 
     asyncio.run(scenario())
 
