@@ -72,13 +72,33 @@ async def _first_non_heartbeat(call: grpc.aio.StreamStreamCall) -> Any:
             return reply
 
 
+async def connected(channel: grpc.aio.Channel, timeout_s: float) -> bool:
+    """True once the channel is connected; False when the connection fails or time runs out.
+
+    Not `channel_ready()`: that waits through gRPC's reconnect backoff (1 s at first),
+    so one try at the address of a controller that just died (refused at once) cost
+    the whole attempt, and a standby's stale hint sends agents there first (measured:
+    ~1 s added to most failovers).
+    """
+    deadline = time.monotonic() + timeout_s
+    state = channel.get_state(try_to_connect=True)
+    while state is not grpc.ChannelConnectivity.READY:
+        remaining = deadline - time.monotonic()
+        if state is grpc.ChannelConnectivity.TRANSIENT_FAILURE or remaining <= 0:
+            return False
+        try:
+            await asyncio.wait_for(channel.wait_for_state_change(state), remaining)
+        except TimeoutError:
+            return False
+        state = channel.get_state(try_to_connect=True)
+    return True
+
+
 async def _attempt(address: str, first: list[pb.AgentMessage], attempt_s: float,
                    reply_s: float) -> Session | str:
     """One try at one address: the session, or why not (a leader hint, or a reason)."""
     channel = grpc.aio.insecure_channel(address, options=KEEPALIVE_OPTIONS)
-    try:
-        await asyncio.wait_for(channel.channel_ready(), attempt_s)
-    except TimeoutError:
+    if not await connected(channel, attempt_s):
         await channel.close()
         return f"{address}: nothing answered"
     queue: asyncio.Queue[pb.AgentMessage | None] = asyncio.Queue()
@@ -118,6 +138,7 @@ async def open_session(addresses: list[str], first: list[pb.AgentMessage], timeo
     while True:
         order = ([hint] if hint else []) + [a for a in addresses if a != hint]
         hint = None
+        silent: set[str] = set()
         for address in order:
             outcome = await _attempt(address, first, min(attempt_s, max(deadline - time.monotonic(),
                                                                        0.1)), reply_s)
@@ -125,8 +146,13 @@ async def open_session(addresses: list[str], first: list[pb.AgentMessage], timeo
                 log.info("session with the leader at %s (term %d)", address, outcome.term)
                 return outcome
             reasons.append(outcome)
-            hint = hint or leader_hint(outcome)
-            if hint:
+            if outcome.endswith("nothing answered"):
+                silent.add(address)
+            named = leader_hint(outcome)
+            # Until a dead leader's lease runs out, standbys still name it: follow a
+            # hint only to an address that has not just failed to answer.
+            if named and named not in silent:
+                hint = named
                 break
         if time.monotonic() >= deadline:
             if all("nothing answered" in r for r in reasons):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -47,12 +48,19 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
+def fresh(path: Path) -> Path:
+    """An empty directory: a rerun into the same --out must not find the last run's etcd
+    data (the job's persisted state would make the new controllers take it over)."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
 def failover(out: Path, trials: int) -> dict[str, dict[str, float]]:
-    cluster = EtcdCluster(out / "etcd", 1).start()
+    cluster = EtcdCluster(fresh(out / "etcd"), 1).start()
     ports = [free_port() for _ in range(3)]
     addresses = ",".join(f"127.0.0.1:{p}" for p in ports)
-    logs = out / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    logs = fresh(out / "logs")
     procs: dict[int, subprocess.Popen[bytes]] = {}
 
     def start_controller(i: int) -> None:
@@ -118,7 +126,7 @@ def failover(out: Path, trials: int) -> dict[str, dict[str, float]]:
 
 
 def overhead(out: Path, steps: int, compute_ms: float) -> dict[str, float]:
-    cluster = EtcdCluster(out / "etcd-overhead", 1).start()
+    cluster = EtcdCluster(fresh(out / "etcd-overhead"), 1).start()
     try:
         medians = {}
         for name, store in (("memory", "memory://"), ("etcd", cluster.url)):
