@@ -24,6 +24,7 @@ from recover.common.progress import ProgressBeacon
 from recover.proto import pb
 from recover.trainer.channel import AgentChannel
 from recover.trainer.collectives import CollectiveAborted, GenerationGroup, GroupSpec
+from recover.trainer.commits import CommitAction, judge_commit
 from recover.trainer.data import SyntheticCorpus, microbatch_sample_ids, microbatch_seed
 from recover.trainer.faults import HANG_PHASES, FaultInjector
 from recover.trainer.model import parameter_digest
@@ -280,11 +281,13 @@ class StepExecutor:
 
     def _apply_commit(self, commit: pb.Commit) -> None:
         s = self.state
-        if commit.generation != self.generation or commit.step != s.step or s.reduced is None:
-            raise RuntimeError(
-                f"commit of step {commit.step} in generation {commit.generation} does not match "
-                f"this worker (step {s.step}, generation {self.generation}, "
-                f"reduced={s.reduced is not None})")
+        verdict = judge_commit(commit.step, commit.generation, s.step, self.generation,
+                               s.reduced is not None)
+        if verdict.action is CommitAction.IGNORE:
+            log.info("commit ignored: %s", verdict.reason, extra=self._ctx())
+            return
+        if verdict.action is CommitAction.REFUSE or s.reduced is None:
+            raise RuntimeError(f"commit refused: {verdict.reason}")
         self.grads.load(s.reduced.grads)
         self.optimizer.step()
         self.accumulator.observe_committed(s.reduced.grads)
