@@ -31,6 +31,10 @@ KEEPALIVE_OPTIONS = [
 ]
 
 
+SILENT_S = 3.0
+"""How long a standby's hint to an address that failed to answer is ignored (> a lease TTL)."""
+
+
 class LinkError(Exception):
     """No leader could be reached, or the leader refused this agent; the message says why."""
 
@@ -135,10 +139,11 @@ async def open_session(addresses: list[str], first: list[pb.AgentMessage], timeo
     deadline = time.monotonic() + timeout_s
     hint: str | None = None
     reasons: list[str] = []
+    silent: dict[str, float] = {}
+    """Address -> when it last failed to answer: hints to it are not followed for a while."""
     while True:
         order = ([hint] if hint else []) + [a for a in addresses if a != hint]
         hint = None
-        silent: set[str] = set()
         for address in order:
             outcome = await _attempt(address, first, min(attempt_s, max(deadline - time.monotonic(),
                                                                        0.1)), reply_s)
@@ -147,11 +152,12 @@ async def open_session(addresses: list[str], first: list[pb.AgentMessage], timeo
                 return outcome
             reasons.append(outcome)
             if outcome.endswith("nothing answered"):
-                silent.add(address)
+                silent[address] = time.monotonic()
             named = leader_hint(outcome)
             # Until a dead leader's lease runs out, standbys still name it: follow a
-            # hint only to an address that has not just failed to answer.
-            if named and named not in silent:
+            # hint only to an address that has not failed to answer lately (it is
+            # still tried in its turn, so a leader that comes back there is found).
+            if named and time.monotonic() - silent.get(named, -SILENT_S) >= SILENT_S:
                 hint = named
                 break
         if time.monotonic() >= deadline:

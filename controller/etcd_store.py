@@ -11,6 +11,7 @@ its consumer listens (etcd keeps the history, so nothing is skipped).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
@@ -27,6 +28,13 @@ T = TypeVar("T")
 
 CANCEL_WATCH_S = 0.5
 """How long dropping a watch may take before we stop waiting for it."""
+
+PERMANENT = (
+    aetcd.exceptions.InvalidArgumentError,
+    aetcd.exceptions.UnauthenticatedError,
+    aetcd.exceptions.PreconditionFailedError,
+)
+"""Errors no retry can clear: raised, not retried."""
 
 RETRYABLE = (
     aetcd.exceptions.ConnectionFailedError,
@@ -63,6 +71,7 @@ class EtcdStore(Store):
         self._client = aetcd.Client(host=host, port=int(port), timeout=op_timeout_s,
                                     options={"grpc.initial_reconnect_backoff_ms": 100,
                                              "grpc.max_reconnect_backoff_ms": 1000})
+        self._closed = False
 
     @property
     def description(self) -> str:
@@ -141,14 +150,18 @@ class EtcdStore(Store):
         return KeyChange(int(result.header.revision), value)
 
     async def watch(self, key: str) -> AsyncIterator[KeyChange]:
+        """See `Store.watch`. Ends when the store is closed; raises StoreError when a read
+        it needs (the first one, or one after a compaction) fails for `retry_s`, or when
+        etcd refuses the watch for good (bad argument, authentication)."""
         first = await self._read(key)
         yield first
-        async for change in self._changes_after(key, first.revision):
-            yield change
+        async with contextlib.aclosing(self._changes_after(key, first.revision)) as changes:
+            async for change in changes:
+                yield change
 
     async def _changes_after(self, key: str, revision: int) -> AsyncIterator[KeyChange]:
         delay = 0.05
-        while True:
+        while not self._closed:  # aetcd would reconnect a closed client to serve us
             try:
                 # From the revision after the last one seen: a watch re-created after
                 # a break (member lost, etcd restarted) replays what happened meanwhile.
@@ -165,6 +178,9 @@ class EtcdStore(Store):
                 current = await self._read(key)
                 revision = current.revision
                 yield current
+            except PERMANENT as exc:
+                raise StoreError(f"etcd at {self.description} refused a watch of {key}: "
+                                 f"{type(exc).__name__}: {exc}") from None
             except RETRYABLE as exc:
                 log.warning("watch of %s broke (%s); re-creating it from revision %d", key,
                             type(exc).__name__, revision + 1)
@@ -206,4 +222,5 @@ class EtcdStore(Store):
         await self._retry("answer", self._client.status)
 
     async def close(self) -> None:
+        self._closed = True
         await self._client.close()

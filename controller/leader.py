@@ -106,6 +106,7 @@ class LeaderElection:
         self._changed = asyncio.Event()
         """Set by the leader-key watch on every change: wakes a campaigning standby."""
         self._watcher: asyncio.Task[None] | None = None
+        self._closing = False
 
     async def leader(self) -> pb.LeaderRecord | None:
         """The current leader as the store has it (None: no leader right now)."""
@@ -147,9 +148,12 @@ class LeaderElection:
 
     async def _watch_leader_key(self, changed: asyncio.Event) -> None:
         """Set `changed` on every change of the leader key (and once when the watch starts)."""
-        while True:
+        # The flag, not only cancel(): Python 3.11's wait_for can swallow a cancel.
+        while not self._closing:
             try:
                 async for _ in self.store.watch(self.leader_key):
+                    if self._closing:
+                        return
                     changed.set()
             except Exception as exc:  # noqa: BLE001 - a wake-up aid: the re-read timer stands in
                 log.warning("cannot watch the leader key (%s: %s); re-reading it every %.1fs",
@@ -158,6 +162,7 @@ class LeaderElection:
 
     async def close(self) -> None:
         """Stop watching the leader key (bounded: see campaign)."""
+        self._closing = True
         watcher, self._watcher = self._watcher, None
         if watcher is not None:
             watcher.cancel()

@@ -98,11 +98,13 @@ class Store(abc.ABC):
     def watch(self, key: str) -> AsyncIterator[KeyChange]:
         """The key's value now, then its value after every change, in revision order.
 
-        Iterate it with `async for`; it ends only when the consumer stops. A store
-        whose connection breaks re-creates the watch from the revision after the
-        last one seen, so no change is skipped; one that cannot (history compacted)
-        reports the key's current value instead. Consumers that cannot afford a
-        stuck watch (a partitioned etcd member sends nothing) re-read on a timer.
+        Iterate it with `async for`; it goes on until the consumer stops or the
+        store is closed. A store whose connection breaks re-creates the watch from
+        the revision after the last one seen, so no change is skipped; one that
+        cannot (history compacted) reports the key's current value instead. It
+        raises StoreError only when the store stays unreachable for a read it
+        needs or refuses the watch for good. Consumers that cannot afford a stuck
+        watch (a partitioned etcd member sends nothing) re-read on a timer.
         """
 
     async def close(self) -> None:

@@ -124,6 +124,23 @@ def test_a_watch_outlives_member_loss_and_skips_nothing(trio: EtcdCluster) -> No
     run(scenario())
 
 
+def test_closing_the_store_ends_its_watches_without_reconnecting(single: EtcdCluster) -> None:
+    async def scenario() -> None:
+        store = EtcdStore(single.endpoints())
+        watching = Watching(store, "/z")
+        await watching.until(1)
+        await store.close()
+        await asyncio.wait_for(asyncio.shield(watching._task), 5)  # ended on its own
+        writer = EtcdStore(single.endpoints())
+        await writer.put("/z", b"after close")
+        await asyncio.sleep(0.3)
+        assert [c.value for c in watching.seen] == [None]
+        assert not store._client.channel  # no channel re-opened behind the closed store
+        await writer.close()
+
+    run(scenario())
+
+
 def test_a_watch_behind_a_compaction_reports_the_current_value(single: EtcdCluster) -> None:
     async def scenario() -> None:
         store = EtcdStore(single.endpoints())

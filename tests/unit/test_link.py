@@ -43,7 +43,7 @@ def test_a_refused_address_fails_at_once_and_a_listening_one_connects():
         with socket.socket() as s:  # a port nobody listens on: connect() is refused
             s.bind(("127.0.0.1", 0))
             refused = s.getsockname()[1]
-        for _ in range(3):  # also after gRPC's first failure, inside its reconnect backoff
+        for _ in range(3):  # a fresh channel per try, as open_session makes
             channel = grpc.aio.insecure_channel(f"127.0.0.1:{refused}")
             started = time.monotonic()
             assert not await connected(channel, 5.0)
