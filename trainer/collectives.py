@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import ipaddress
 import os
 import socket
 import threading
@@ -114,12 +113,35 @@ def _join_builders_at_exit() -> None:
         thread.join(max(0.0, deadline - time.monotonic()))
 
 
-def _is_loopback(host: str) -> bool:
-    """True if ``host`` resolves to a loopback address (then every peer is local)."""
+def _local_address_towards(host: str, port: int) -> str | None:
+    """The local address this host's traffic to ``host:port`` leaves from, or None.
+
+    A UDP connect only picks a route; no packet is sent.
+    """
     try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, port))
+            return str(probe.getsockname()[0])
+    except OSError:
+        return None
+
+
+def gloo_devices(store_host: str, store_port: int) -> list[object]:
+    """Where gloo listens and connects from.
+
+    GLOO_SOCKET_IFNAME (comma-separated interface names) wins, as in torch's own
+    init_process_group. Otherwise the address that reaches the rendezvous store:
+    gloo's default device binds to whatever the hostname resolves to, which on many
+    hosts is 127.0.1.1 and inside a network namespace not an address at all (found
+    by tests/integration/test_partition.py: peers on other hosts could not connect).
+    """
+    names = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n.strip()]
+    if names:
+        return [dist.ProcessGroupGloo.create_device(interface=n.strip()) for n in names]
+    local = _local_address_towards(store_host, store_port)
+    if local is None:
+        return [dist.ProcessGroupGloo.create_default_device()]
+    return [dist.ProcessGroupGloo.create_device(hostname=local)]
 
 
 class GenerationGroup:
@@ -185,11 +207,7 @@ class GenerationGroup:
                                   timeout=timeout, wait_for_workers=False)
             opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in stubs
             opts._timeout = timeout
-            # On loopback every peer is local: bind there and skip hostname lookup;
-            # otherwise use gloo's default device (honours GLOO_SOCKET_IFNAME).
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=spec.store_host)
-                             if _is_loopback(spec.store_host)
-                             else dist.ProcessGroupGloo.create_default_device()]
+            opts._devices = gloo_devices(spec.store_host, spec.store_port)
             pg = dist.ProcessGroupGloo(dist.PrefixStore(f"gen/{spec.generation}/", store),
                                        spec.rank, spec.world_size, opts)
         except Exception as e:  # noqa: BLE001 - any rendezvous failure means "rebuild"
