@@ -157,7 +157,7 @@ async def open_session(addresses: list[str], first: list[pb.AgentMessage], timeo
             # Until a dead leader's lease runs out, standbys still name it: follow a
             # hint only to an address that has not failed to answer lately (it is
             # still tried in its turn, so a leader that comes back there is found).
-            if named and time.monotonic() - silent.get(named, -SILENT_S) >= SILENT_S:
+            if named and (named not in silent or time.monotonic() - silent[named] >= SILENT_S):
                 hint = named
                 break
         if time.monotonic() >= deadline:

@@ -92,8 +92,7 @@ class EtcdStore(Store):
                 delay = min(delay * 2, 0.5)
 
     async def get(self, key: str) -> bytes | None:
-        result = await self._retry("read", lambda: self._client.get(key.encode()))
-        return None if result is None else bytes(result.value)
+        return (await self._read(key)).value
 
     async def put(self, key: str, value: bytes) -> None:
         await self._retry("write", lambda: self._client.put(key.encode(), bytes(value)))

@@ -123,7 +123,7 @@ class LeaderElection:
             # One watch for the controller's life, not one per campaign: a watch task
             # cancelled while aetcd was still creating the watch did not end for
             # seconds under load (measured: 6 of 250 campaigns on a loaded machine).
-            self._watcher = asyncio.create_task(self._watch_leader_key(self._changed))
+            self._watcher = asyncio.create_task(self._watch_leader_key())
         changed = self._changed
         announced = None
         while True:
@@ -146,7 +146,7 @@ class LeaderElection:
             except TimeoutError:
                 pass
 
-    async def _watch_leader_key(self, changed: asyncio.Event) -> None:
+    async def _watch_leader_key(self) -> None:
         """Set `changed` on every change of the leader key (and once when the watch starts)."""
         # The flag, not only cancel(): Python 3.11's wait_for can swallow a cancel.
         while not self._closing:
@@ -154,7 +154,7 @@ class LeaderElection:
                 async for _ in self.store.watch(self.leader_key):
                     if self._closing:
                         return
-                    changed.set()
+                    self._changed.set()
             except Exception as exc:  # noqa: BLE001 - a wake-up aid: the re-read timer stands in
                 log.warning("cannot watch the leader key (%s: %s); re-reading it every %.1fs",
                             type(exc).__name__, exc, self.config.recheck_s)

@@ -31,8 +31,11 @@ def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
-def recover_json(*args: str) -> Any:
-    out = subprocess.run(recover_cmd(*args, "--json"), capture_output=True, text=True, timeout=20)
+def recover_json(*args: str, netns: str | None = None) -> Any:
+    """`recover ARGS --json`, parsed; inside network namespace `netns` if given."""
+    prefix = ["ip", "netns", "exec", netns] if netns else []
+    out = subprocess.run([*prefix, *recover_cmd(*args, "--json")], capture_output=True, text=True,
+                         timeout=20)
     assert out.returncode == 0, out.stderr
     return [json.loads(line) for line in out.stdout.splitlines()]
 

@@ -9,7 +9,6 @@ keeps running, and their TCP connections just stop carrying packets.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -21,7 +20,7 @@ from typing import Any
 import pytest
 
 from tests.integration.conftest import recover_cmd
-from tests.integration.test_hosts import wait_for
+from tests.integration.test_hosts import recover_json, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -67,11 +66,7 @@ class Namespaces:
 
 
 def status(ns: str, address: str, what: str = "status") -> Any:
-    out = subprocess.run(["ip", "netns", "exec", ns, *recover_cmd(what, "--controller", address,
-                                                                  "--json")],
-                         capture_output=True, text=True, timeout=20)
-    assert out.returncode == 0, out.stderr
-    return [json.loads(line) for line in out.stdout.splitlines()]
+    return recover_json(what, "--controller", address, netns=ns)
 
 
 @pytest.fixture()
