@@ -45,8 +45,9 @@ class AgentConfig:
     (the agent finds the leader among them, and the new one after a failover)."""
     slots: int
     """Worker slots on this host (one worker, one replica each)."""
-    command: list[str]
-    """The worker command, e.g. ['python', '-m', 'recover.trainer.worker']."""
+    command: list[str] | None = None
+    """The worker command, e.g. ['python', 'train.py', '--lr', '1e-3']; None: the job's own
+    (its workload command, set on the controller)."""
     agent_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
     """Unique name of this agent in the job."""
     heartbeat_s: float = 0.5
@@ -200,11 +201,24 @@ class Agent:
     async def _spawn(self, replicas: list[int], job: pb.JobConfig, address: str,
                      run_dir: Path) -> None:
         log_dir = Path(self.config.log_dir) if self.config.log_dir else None
+        command = self.config.command or list(job.workload.command)
+        if not command:
+            raise AgentError("the job names no worker command: give one after `--`")
         for slot, replica in enumerate(replicas):
-            self.workers[replica] = await spawn_worker(
-                self.config.command, replica=replica, slot=slot, agent_id=self.config.agent_id,
-                agent_address=address, job_id=job.job_id, log_dir=log_dir,
-                progress_path=run_dir / f"progress-{replica}.bin")
+            try:
+                self.workers[replica] = await spawn_worker(
+                    command, replica=replica, slot=slot, agent_id=self.config.agent_id,
+                    agent_address=address, job_id=job.job_id, log_dir=log_dir,
+                    progress_path=run_dir / f"progress-{replica}.bin")
+            except OSError as exc:
+                # As if it died at once, with the reason as its last words: the controller
+                # then fails a job that cannot start (or recovers a running one).
+                log.error("cannot run the worker command %r: %s", command[0], exc.strerror,
+                          extra={"replica": replica})
+                self._upstream.put_nowait(pb.AgentMessage(worker_exited=pb.WorkerExited(
+                    replica=replica, exit_code=127, observed_at=time.time(),
+                    output_tail=f"cannot run the worker command {command[0]!r}: {exc.strerror}")))
+                continue
             log.info("spawned worker pid %d", self.workers[replica].pid, extra={"replica": replica})
 
     async def _watch(self, worker: WorkerProcess) -> None:
@@ -231,10 +245,7 @@ class Agent:
                     worker.killed_by_agent = f"watchdog: {verdict.reason}"
                     log.warning("killing hung worker: %s", verdict.reason,
                                 extra={"replica": worker.replica})
-                    try:
-                        worker.process.kill()
-                    except ProcessLookupError:
-                        pass
+                    worker.kill()
 
     @staticmethod
     async def _hang_verdict(worker: WorkerProcess, timeout_s: float,

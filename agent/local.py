@@ -57,6 +57,7 @@ class WorkerChannelService(rpc.WorkerChannelServicer):
             except (grpc.aio.AioRpcError, asyncio.CancelledError):
                 pass
 
+        worker.attached = True
         reader = asyncio.create_task(read())
         try:
             yield pb.WorkerCommand(welcome=pb.Welcome(replica=worker.replica, job=self._job))
@@ -70,4 +71,12 @@ class WorkerChannelService(rpc.WorkerChannelServicer):
         if worker is not None:
             worker.fault = pb.FaultNote()
             worker.fault.CopyFrom(request)
+        return pb.Ack()
+
+    async def ReportError(self, request: pb.WorkerError,  # noqa: N802
+                          context: grpc.aio.ServicerContext) -> pb.Ack:
+        worker = self._worker_of(context)
+        if worker is not None:
+            worker.error = pb.WorkerError()
+            worker.error.CopyFrom(request)
         return pb.Ack()

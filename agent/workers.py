@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,11 +27,55 @@ class WorkerProcess:
     """The worker's progress file (see recover.common.progress)."""
     killed_by_agent: str = ""
     """Why the agent killed this worker (the watchdog's verdict), if it did."""
+    attached: bool = False
+    """It connected to the agent's channel (its script called recover.trainer.init())."""
+    error: pb.WorkerError | None = None
+    """What it reported about an error in the user's code before exiting, if anything."""
+    log_path: Path | None = None
     commands: asyncio.Queue[pb.WorkerCommand | None] = field(default_factory=asyncio.Queue)
 
     @property
     def pid(self) -> int:
         return self.process.pid
+
+    def kill(self) -> None:
+        """SIGKILL the worker's whole process group: a wrapper between the agent and the
+        training process (`-- ./train.sh`, `uv run ...`) must not leave it behind."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        except PermissionError:  # not a group leader after all (it called setsid itself)
+            try:
+                self.process.kill()
+            except ProcessLookupError:
+                pass
+
+
+OUTPUT_TAIL_LINES = 5
+OUTPUT_TAIL_BYTES = 2000
+
+
+def resolve_command(command: list[str]) -> list[str]:
+    """A leading `python`/`python3` runs under this agent's own interpreter (the one
+    ReCoVer is installed in), as torchrun does; any other command runs as given."""
+    if command and command[0] in ("python", "python3"):
+        return [sys.executable, *command[1:]]
+    return list(command)
+
+
+def output_tail(path: Path | None) -> str:
+    """The last lines a worker printed, for a failure that happened before it could report."""
+    if path is None:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - OUTPUT_TAIL_BYTES))
+            lines = f.read().decode(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return "\n".join(lines[-OUTPUT_TAIL_LINES:])
 
 
 async def spawn_worker(
@@ -56,17 +102,25 @@ async def spawn_worker(
         "RECOVER_AGENT_PID": str(os.getpid()),
         "PYTHONUNBUFFERED": "1",
     })
+    # Several workers share a host's cores, and bitwise-identical results need the
+    # same thread count on every replica: one intra-op thread unless the user says
+    # otherwise (torchrun does the same).
+    env.setdefault("OMP_NUM_THREADS", "1")
     if progress_path is not None:
         progress.create(progress_path)
         env["RECOVER_PROGRESS_FILE"] = str(progress_path)
-    log_file = None
+    log_file = log_path = None
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
-        log_file = open(log_dir / f"replica-{replica}.log", "ab")  # noqa: SIM115 (owned by WorkerProcess)
+        log_path = log_dir / f"replica-{replica}.log"
+        log_file = open(log_path, "ab")  # noqa: SIM115 (owned by WorkerProcess)
+    # A process group of its own (start_new_session), so that kill() reaches everything
+    # the worker command started.
     process = await asyncio.create_subprocess_exec(
-        *command, env=env, stdin=asyncio.subprocess.DEVNULL,
-        stdout=log_file, stderr=log_file)
-    return WorkerProcess(replica, slot, process, log_file, progress_path=progress_path)
+        *resolve_command(command), env=env, stdin=asyncio.subprocess.DEVNULL,
+        stdout=log_file, stderr=log_file, start_new_session=True)
+    return WorkerProcess(replica, slot, process, log_file, progress_path=progress_path,
+                         log_path=log_path)
 
 
 def exit_report(worker: WorkerProcess, returncode: int) -> pb.WorkerExited:
@@ -82,6 +136,11 @@ def exit_report(worker: WorkerProcess, returncode: int) -> pb.WorkerExited:
         if snapshot is not None and snapshot.killed_at > 0:
             report.fault.killed_at = snapshot.killed_at  # stamped right before the kill
     report.killed_by_agent = worker.killed_by_agent
+    report.attached = worker.attached
+    if worker.error is not None:
+        report.error.CopyFrom(worker.error)
+    elif returncode > 0:
+        report.output_tail = output_tail(worker.log_path)
     return report
 
 
@@ -94,10 +153,7 @@ async def stop_workers(workers: list[WorkerProcess], grace_s: float) -> None:
     _, pending = await asyncio.wait(waits, timeout=grace_s)
     for worker in alive:
         if worker.process.returncode is None:
-            try:
-                worker.process.kill()
-            except ProcessLookupError:
-                pass
+            worker.kill()
     if pending:
         await asyncio.wait(pending, timeout=5)
     for worker in workers:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from recover.bench.ckpt_policy import CheckpointPolicy
+from recover.bench.reference import reference_config, tokens_per_step
 from recover.bench.schedules import FailureEvent, Schedule
 from recover.proto import pb
 
@@ -41,7 +42,8 @@ class CkptRestartConfig:
     """One checkpoint-and-restart job."""
 
     job: pb.JobConfig
-    """The same job ReCoVer runs (model, data, M, microbatch size, seed, lr, compute_ms)."""
+    """The same job ReCoVer runs: the built-in reference GPT (its command carries the model,
+    data, microbatch size and lr), M, seed, compute_ms."""
     out: Path
     """Where events.jsonl, checkpoint.pt, logs/ and summary.json go."""
     policy: CheckpointPolicy = field(default_factory=CheckpointPolicy)
@@ -67,6 +69,8 @@ def free_port() -> int:
 class Supervisor:
     def __init__(self, config: CkptRestartConfig) -> None:
         self.c = config
+        # Checked here, before any worker starts: a baseline can only run the reference GPT.
+        self.workload = reference_config(config.job, "the ckpt-restart baseline")
         self.out = config.out
         self.events_path = self.out / "events.jsonl"
         self.ckpt_path = self.out / "checkpoint.pt"
@@ -226,7 +230,7 @@ class Supervisor:
         for at, step, loss in self.commits:  # a re-done step's last commit is the one that counts
             losses[step], committed_at[step] = loss, at
         steps = len(losses)
-        per_step = job.global_microbatches * job.microbatch_size * job.model.seq_len
+        per_step = tokens_per_step(job, self.workload)
         restarts = []
         for prev, nxt in zip(self.attempts, self.attempts[1:], strict=False):
             ready = nxt.get("ready", [])
@@ -249,8 +253,9 @@ class Supervisor:
         return {
             "mode": "ckpt-restart", "state": state, "reason": reason, "job_id": job.job_id,
             "replicas": job.replicas, "steps_requested": job.steps, "steps_committed": steps,
-            "global_microbatches": job.global_microbatches, "microbatch_size": job.microbatch_size,
-            "compute_ms": job.compute_ms,
+            "global_microbatches": job.global_microbatches,
+            "microbatch_size": self.workload.microbatch_size,
+            "compute_ms": job.testing.compute_ms,
             "loss_per_step": [losses[s] for s in sorted(losses)],
             "tokens": steps * per_step,
             "wall_s": round(ended - launched, 3),

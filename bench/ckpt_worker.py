@@ -4,11 +4,12 @@
 
 Plain torch.distributed: a gloo process group over a TCP rendezvous hosted by
 rank 0, the same reference GPT, synthetic data, M, microbatch size, AdamW and
-`--compute-ms` emulation as a ReCoVer worker, and no fault tolerance at all: a
-dead peer makes the allreduce raise and the worker exits non-zero; the
-supervisor (bench/ckpt_restart.py) then restarts every worker, which resume from
-the newest checkpoint. Everything a restart costs is real here: process start,
-`import torch`, the gloo rendezvous and the checkpoint load.
+`--compute-ms` emulation as a ReCoVer worker (bench/reference_model.py), and
+no fault tolerance at all: a dead peer makes the allreduce raise and the worker
+exits non-zero; the supervisor (bench/ckpt_restart.py) then restarts every
+worker, which resume from the newest checkpoint. Everything a restart costs is
+real here: process start, `import torch`, the gloo rendezvous and the checkpoint
+load.
 
 Rank 0 writes the checkpoints (model, optimizer, next step = the data position:
 microbatch i of step t is a pure function of (seed, t, i)) atomically, on the
@@ -32,10 +33,11 @@ import torch  # noqa: E402  (imported after STARTED: its import time is a restar
 import torch.distributed as dist  # noqa: E402
 
 from recover.bench.ckpt_policy import CheckpointPolicy, checkpoint_due  # noqa: E402
+from recover.bench.reference import reference_config, tokens_per_step  # noqa: E402
+from recover.bench.reference_model import ReferenceGPT  # noqa: E402
 from recover.proto import pb  # noqa: E402
-from recover.trainer.data import microbatch_sample_ids, microbatch_seed  # noqa: E402
-from recover.trainer.reduction import FlatGradients, make_accumulator  # noqa: E402
-from recover.trainer.worker import build_workload  # noqa: E402
+from recover.trainer.gradients import GradientBuckets  # noqa: E402
+from recover.trainer.reduction import make_accumulator  # noqa: E402
 
 IMPORTED = time.time()
 
@@ -73,7 +75,9 @@ def main(argv: list[str]) -> int:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
     rendezvous = time.time()
-    model, optimizer, corpus = build_workload(job)
+    gpt = ReferenceGPT.build(reference_config(job, "the ckpt-restart baseline"), job.seed,
+                             job.global_microbatches)
+    model, optimizer = gpt.model, gpt.optimizer
     start_step, loaded_s = 0, 0.0
     if os.path.exists(ckpt_path):
         t = time.perf_counter()
@@ -86,10 +90,12 @@ def main(argv: list[str]) -> int:
                 rendezvous_s=rendezvous - IMPORTED, load_s=loaded_s, world=world)
 
     params = [p for p in model.parameters() if p.requires_grad]
-    grads = FlatGradients(params)
-    accumulator = make_accumulator("fast", grads, job.global_microbatches)
+    grads = GradientBuckets(params)
+    accumulator = make_accumulator("fast", grads, job.global_microbatches,
+                                   job.reduce_dtype or "grad")
     mine = my_microbatches(rank, world, job.global_microbatches)
-    tokens_per_step = job.global_microbatches * job.microbatch_size * job.model.seq_len
+    tokens = tokens_per_step(job, gpt.config)
+    compute_ms = job.testing.compute_ms
     write_cost = math.nan  # unknown until the first checkpoint is written
     last_ckpt = time.monotonic()
     slot = config["slots"][rank]
@@ -100,25 +106,23 @@ def main(argv: list[str]) -> int:
             os.kill(os.getpid(), signal.SIGKILL)
         accumulator.reset()
         for mb in mine:
-            ids = microbatch_sample_ids(job.seed, step, mb, job.microbatch_size,
-                                        corpus.config.num_sequences)
-            inputs, targets = corpus.batch(ids)
-            torch.default_generator.manual_seed(microbatch_seed(job.seed, step, mb, "dropout"))
             accumulator.before_microbatch()
+            inputs, targets = gpt.microbatch(step, mb)
             _, loss = model(inputs, targets)
             assert loss is not None
             loss.backward()
-            if job.compute_ms > 0:
-                time.sleep(job.compute_ms / 1000.0)  # emulated accelerator time, as in ReCoVer
+            if compute_ms > 0:
+                time.sleep(compute_ms / 1000.0)  # emulated accelerator time, as in ReCoVer
             accumulator.after_microbatch(float(loss.detach()))
-        flat = accumulator.buffer()
-        dist.all_reduce(flat)
-        reduced = accumulator.finish(flat)
+        buffers = accumulator.buffers()  # one per gradient bucket, the step's stats in the last
+        for buffer in buffers:
+            dist.all_reduce(buffer)
+        reduced = accumulator.finish(buffers)
         grads.load(reduced.grads)
         optimizer.step()
         if rank != 0:
             continue
-        events.emit("step", step=step, loss=reduced.loss, tokens=tokens_per_step)
+        events.emit("step", step=step, loss=reduced.loss, tokens=tokens)
         due, reason = checkpoint_due(policy, step + 1, time.monotonic() - last_ckpt, write_cost)
         if due and step + 1 < job.steps:
             t = time.perf_counter()

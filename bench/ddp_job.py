@@ -21,19 +21,18 @@ import torch.distributed as dist
 
 from recover.bench.ddp_worker import DDPConfig, to_json
 from recover.bench.recover_job import JobFailed
+from recover.bench.reference import reference_config
 from recover.proto import pb
 
 
 def ddp_config(job: pb.JobConfig, store_port: int, out: Path) -> DDPConfig:
-    """The DDP twin of a ReCoVer job: same model, data, M, B, seed, lr, replicas."""
-    m = job.model
+    """The DDP twin of a ReCoVer job: same model, data, M, B, seed, lr, replicas.
+    NotReferenceGPT when the job runs a worker command other than the reference GPT."""
+    reference_config(job, "the DDP baseline")  # fail here, not in every rank
     return DDPConfig(replicas=job.replicas, steps=job.steps,
-                     global_microbatches=job.global_microbatches,
-                     microbatch_size=job.microbatch_size, seed=job.seed,
-                     learning_rate=job.learning_rate, n_layer=m.n_layer, n_embd=m.n_embd,
-                     n_head=m.n_head, seq_len=m.seq_len, vocab_size=m.vocab_size,
-                     store_port=store_port, out_dir=str(out), compute_ms=job.compute_ms,
-                     corpus_seed=job.corpus_seed or 1234, dropout=m.dropout or 0.1)
+                     global_microbatches=job.global_microbatches, seed=job.seed,
+                     command=list(job.workload.command), store_port=store_port,
+                     out_dir=str(out), compute_ms=job.testing.compute_ms)
 
 
 def run_ddp(job: pb.JobConfig, out: Path, timeout_s: float = 600.0) -> dict[str, Any]:

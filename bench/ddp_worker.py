@@ -2,11 +2,12 @@
 
 One process per replica, torch.distributed over gloo on a TCPStore the parent
 hosts, `DistributedDataParallel` around the same TinyGPT, the same
-deterministic microbatches (sample ids and dropout seeds from
-`recover.trainer.data`), the same AdamW, the same split of M over replicas as
-ReCoVer's uniform plan. Gradient accumulation uses `no_sync()` for all but a
-rank's last microbatch, so DDP allreduces once per step, like ReCoVer. No
-fault tolerance, no controller, no agent: what users run today.
+deterministic microbatches (EpochSampler ids and dropout seeds, built by
+bench/reference_model.py as ReCoVer's reference worker builds them), the same
+AdamW, the same split of M over replicas as ReCoVer's uniform plan. Gradient
+accumulation uses `no_sync()` for all but a rank's last microbatch, so DDP
+allreduces once per step, like ReCoVer. No fault tolerance, no controller, no
+agent: what users run today.
 
 Each microbatch's loss is scaled by R / M before backward: DDP averages over
 the R ranks, so the applied gradient is the mean over all M microbatches —
@@ -30,8 +31,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from recover.trainer.data import CorpusConfig, SyntheticCorpus, microbatch_sample_ids, microbatch_seed
-from recover.trainer.model import GPTConfig, build_model
+from recover.bench.reference_model import ReferenceGPT
+from recover.workloads.tinygpt import config as tinygpt
 
 
 @dataclass(frozen=True)
@@ -44,32 +45,17 @@ class DDPConfig:
     """Optimizer steps to train."""
     global_microbatches: int
     """M: microbatches summed by every step, split over the ranks like ReCoVer's uniform plan."""
-    microbatch_size: int
-    """Sequences per microbatch (B)."""
     seed: int
     """Seed of init, sample ids and dropout (ReCoVer's --seed)."""
-    learning_rate: float
-    """AdamW learning rate."""
-    n_layer: int
-    """TinyGPT layers."""
-    n_embd: int
-    """TinyGPT width."""
-    n_head: int
-    """TinyGPT attention heads."""
-    seq_len: int
-    """Tokens per sequence."""
-    vocab_size: int
-    """Vocabulary size."""
+    command: list[str]
+    """The job's worker command, `python -m recover.workloads.tinygpt FLAGS`: its flags are
+    the model, microbatch size, lr and corpus, parsed as the reference worker parses them."""
     store_port: int
     """Port of the TCPStore the parent hosts on 127.0.0.1."""
     out_dir: str
     """Each rank writes rank-R.json here."""
     compute_ms: float = 0.0
     """Emulated accelerator time slept after each microbatch (ReCoVer's --compute-ms)."""
-    corpus_seed: int = 1234
-    """Identity of the synthetic corpus (ReCoVer's jobs use 1234)."""
-    dropout: float = 0.1
-    """Dropout probability (ReCoVer's jobs use 0.1)."""
 
 
 def my_microbatches(rank: int, replicas: int, global_microbatches: int) -> list[int]:
@@ -87,15 +73,10 @@ def train(config: DDPConfig, rank: int) -> dict[str, list[float]]:
                           timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=config.replicas,
                             timeout=timedelta(seconds=60))
-    model = build_model(GPTConfig(vocab_size=config.vocab_size, seq_len=config.seq_len,
-                                  n_layer=config.n_layer, n_head=config.n_head,
-                                  n_embd=config.n_embd, dropout=config.dropout),
-                        init_seed=config.seed)
-    model.train()
-    ddp = DistributedDataParallel(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate)
-    corpus = SyntheticCorpus(CorpusConfig(vocab_size=config.vocab_size, seq_len=config.seq_len,
-                                          corpus_seed=config.corpus_seed))
+    gpt = ReferenceGPT.build(tinygpt.from_command(config.command), config.seed,
+                             config.global_microbatches)
+    ddp = DistributedDataParallel(gpt.model)
+    optimizer = gpt.optimizer
     mine = my_microbatches(rank, config.replicas, config.global_microbatches)
     scale = config.replicas / config.global_microbatches
     ended_at: list[float] = []
@@ -104,11 +85,7 @@ def train(config: DDPConfig, rank: int) -> dict[str, list[float]]:
         optimizer.zero_grad(set_to_none=False)
         loss_sum = 0.0
         for position, microbatch in enumerate(mine):
-            ids = microbatch_sample_ids(config.seed, step, microbatch, config.microbatch_size,
-                                        corpus.config.num_sequences)
-            inputs, targets = corpus.batch(ids)
-            torch.default_generator.manual_seed(
-                microbatch_seed(config.seed, step, microbatch, "dropout"))
+            inputs, targets = gpt.microbatch(step, microbatch)
             last = position == len(mine) - 1
             # no_sync on all but the last microbatch: one allreduce per step.
             with ddp.no_sync() if not last else contextlib.nullcontext():

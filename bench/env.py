@@ -23,8 +23,8 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def environment() -> dict[str, Any]:
-    """Machine, torch, git revision (+dirty), UTC date, and the load at this moment."""
+def machine() -> dict[str, Any]:
+    """Cores, CPU model, Python and torch versions of this machine."""
     cpu = "unknown"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -38,16 +38,43 @@ def environment() -> dict[str, Any]:
         torch_version: str | None = torch.__version__
     except ImportError:
         torch_version = None
-    revision = None
+    return {"nproc": os.cpu_count(), "cpu_model": cpu, "python": platform.python_version(),
+            "torch": torch_version}
+
+
+def git_revision() -> str | None:
+    """HEAD of the checkout being measured, with "+dirty" if it has local changes."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                               capture_output=True, text=True, timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                                capture_output=True, text=True, timeout=10).stdout.strip()
-        revision = (head + ("+dirty" if dirty else "")) or None
     except (OSError, subprocess.SubprocessError):
-        pass
-    return {"nproc": os.cpu_count(), "cpu_model": cpu, "python": platform.python_version(),
-            "torch": torch_version, "revision": revision,
+        return None
+    return (head + ("+dirty" if dirty else "")) or None
+
+
+FOREIGN_MARKERS = ("recover.cli.main controller", "recover.workloads.tinygpt", "pytest")
+"""Command-line fragments of processes that compete with a benchmark for the cores."""
+
+
+def foreign_load() -> dict[str, Any]:
+    """Load average and the other ReCoVer jobs / test runs on this machine right now (noise)."""
+    others = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if any(marker in cmd for marker in FOREIGN_MARKERS):
+            others += 1
+    return {"loadavg_1m": round(os.getloadavg()[0], 2), "other_recover_or_pytest_processes": others}
+
+
+def environment() -> dict[str, Any]:
+    """Machine, torch, git revision (+dirty), UTC date, and the load at this moment."""
+    return {**machine(), "revision": git_revision(),
             "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "loadavg_1m": round(os.getloadavg()[0], 2)}

@@ -24,6 +24,7 @@ from typing import Any
 from recover.bench.ddp_job import run_ddp
 from recover.bench.env import environment
 from recover.bench.recover_job import JobFailed, run_recover
+from recover.bench.reference import reference_config
 from recover.cli.jobargs import job_to_args
 from recover.proto import pb
 
@@ -35,7 +36,8 @@ class OverheadConfig:
     """One `bench overhead` invocation."""
 
     job: pb.JobConfig
-    """The job every mode trains (its `reduce` is overridden per mode)."""
+    """The job every mode trains (its `reduce` is overridden per mode); the built-in
+    reference GPT only, since the DDP baseline re-implements it."""
     out: Path
     """results.json and one folder per run."""
     reps: int = 2
@@ -86,6 +88,7 @@ def run(config: OverheadConfig, progress: Callable[[str], None]) -> dict[str, An
     job = config.job
     if job.steps < config.warmup + 3:
         raise ValueError(f"--steps must be at least warmup + 3 = {config.warmup + 3}")
+    workload = reference_config(job, "recover bench overhead")
     env = environment()
     runs: list[dict[str, Any]] = []
     losses: dict[str, list[float]] = {}
@@ -111,10 +114,10 @@ def run(config: OverheadConfig, progress: Callable[[str], None]) -> dict[str, An
         "environment": env,
         "loadavg_1m_end": environment()["loadavg_1m"],
         "config": {"replicas": job.replicas, "global_microbatches": job.global_microbatches,
-                   "microbatch_size": job.microbatch_size, "steps": job.steps,
+                   "microbatch_size": workload.microbatch_size, "steps": job.steps,
                    "warmup_steps": config.warmup, "reps": config.reps, "seed": job.seed,
-                   "compute_ms": job.compute_ms, "n_layer": job.model.n_layer,
-                   "n_embd": job.model.n_embd},
+                   "compute_ms": job.testing.compute_ms, "n_layer": workload.n_layer,
+                   "n_embd": workload.n_embd},
         "step_s": {m: round(v, 5) for m, v in step.items()},
         "overhead_vs_ddp": round(step["fast"] / step["ddp"] - 1, 4),
         "overhead_exact_vs_ddp": round(step["exact"] / step["ddp"] - 1, 4),

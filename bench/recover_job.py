@@ -50,8 +50,9 @@ def run_recover(out: Path, job_args: list[str], schedule: Schedule | None = None
     port_file.unlink(missing_ok=True)
     launched = time.time()
     log = open(out / "launcher.log", "wb")  # noqa: SIM115 (closed below)
-    proc = subprocess.Popen([sys.executable, "-m", "recover.cli.main", "run", *job_args, "--quiet",
-                             "--out", str(out)], stdout=log, stderr=subprocess.STDOUT,
+    # job_args end with `-- COMMAND`: every other flag goes before them.
+    proc = subprocess.Popen([sys.executable, "-m", "recover.cli.main", "run", "--quiet",
+                             "--out", str(out), *job_args], stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True)
     pending = list(schedule.events) if schedule else []
     pids: dict[int, int] = {}

@@ -27,6 +27,7 @@ from recover.bench.ckpt_restart import CkptRestartConfig
 from recover.bench.ckpt_restart import run as run_ckpt
 from recover.bench.env import environment
 from recover.bench.recover_job import run_recover
+from recover.bench.reference import reference_config, tokens_per_step
 from recover.bench.schedules import Schedule
 from recover.proto import pb
 
@@ -38,7 +39,7 @@ class ThroughputConfig:
     """One `bench throughput` invocation."""
 
     job: pb.JobConfig
-    """The job every run trains (validated by the CLI)."""
+    """The job every run trains (validated by the CLI; the built-in reference GPT only)."""
     job_args: list[str]
     """The same job as `recover run` flags."""
     schedule: Schedule
@@ -84,6 +85,8 @@ def _speedups(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
 def run(config: ThroughputConfig, progress: Any = None) -> dict[str, Any]:
     say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
     out, job = config.out, config.job
+    # Before the first run: the ckpt-restart baseline can only train the reference GPT.
+    workload = reference_config(job, "recover bench throughput")
     out.mkdir(parents=True, exist_ok=True)
     say(f"bench throughput: reference (no failures) -> {out / 'reference'}")
     reference = run_recover(out / "reference", config.job_args, None, say, "reference",
@@ -103,8 +106,9 @@ def run(config: ThroughputConfig, progress: Any = None) -> dict[str, Any]:
     results: dict[str, Any] = {
         "benchmark": "throughput", "environment": environment(),
         "job": {"replicas": job.replicas, "steps": job.steps, "global_microbatches":
-                job.global_microbatches, "microbatch_size": job.microbatch_size,
-                "seq_len": job.model.seq_len, "compute_ms": job.compute_ms, "seed": job.seed},
+                job.global_microbatches, "microbatch_size": workload.microbatch_size,
+                "seq_len": workload.seq_len, "compute_ms": job.testing.compute_ms,
+                "seed": job.seed},
         "schedule": {"path": config.schedule_path, "kind": config.schedule.kind,
                      "events": [vars(e) for e in config.schedule.events]},
         "checkpoint_policy": config.policy.to_dict(),
@@ -134,19 +138,19 @@ def run(config: ThroughputConfig, progress: Any = None) -> dict[str, Any]:
                          "write_s": [c["write_s"] for c in ckpt["checkpoints"]],
                          "restarts": ckpt["restarts"]},
     }
-    results["plots"] = plots(runs, job, out)
+    results["plots"] = plots(runs, tokens_per_step(job, workload), out)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     return results
 
 
-def plots(runs: dict[str, dict[str, Any]], job: pb.JobConfig, out: Path) -> list[str]:
-    """Cumulative useful tokens over time, and loss per step; returns the PNG paths."""
+def plots(runs: dict[str, dict[str, Any]], per_step: int, out: Path) -> list[str]:
+    """Cumulative useful tokens (`per_step` per committed step) over time, and loss per step;
+    returns the PNG paths."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    per_step = job.global_microbatches * job.microbatch_size * job.model.seq_len
     fig, ax = plt.subplots(figsize=(9, 5))
     for name, r in runs.items():
         # Progress falls back at a restart: steps after the checkpoint are done again.

@@ -23,13 +23,15 @@ import time
 from pathlib import Path
 
 SUBCOMMANDS = {"run": "launcher", "controller": "controller", "agent": "agent"}
+WORKER_MODULE = "recover.workloads.tinygpt"
+"""The demo job's workers run `python -m WORKER_MODULE FLAGS` (the built-in reference GPT)."""
 
 
 def _kind(argv: list[str]) -> str | None:
     """worker, controller, agent, launcher or None, from a process's own argv (an agent's
     argv also holds its workers' command after `--`, so only the head counts)."""
     for i, token in enumerate(argv[:4]):
-        if token == "recover.trainer.worker":
+        if token == WORKER_MODULE:
             return "worker"
         if (token == "recover.cli.main" or token.endswith("/recover")) and i + 1 < len(argv):
             return SUBCOMMANDS.get(argv[i + 1])

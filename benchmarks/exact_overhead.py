@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from recovery import git_revision, machine
+from recover.bench.env import git_revision, machine
 
 SIZES: dict[str, dict[str, Any]] = {
     "demo (106k params)": {"args": ["--replicas", "4", "-M", "16", "-B", "8", "--steps", "25"],
@@ -47,21 +47,24 @@ def quantize_cost_ms(layers: int, width: int, repeats: int = 5) -> tuple[int, fl
     """Per-microbatch time of ExactAccumulator.after_microbatch on a model of this shape."""
     import torch
 
-    from recover.trainer.model import GPTConfig, build_model
-    from recover.trainer.reduction import ExactAccumulator, FlatGradients
+    from recover.trainer.gradients import GradientBuckets
+    from recover.trainer.reduction import ExactAccumulator
+    from recover.workloads.tinygpt.model import GPTConfig, build_model
 
     torch.set_num_threads(1)
     model = build_model(GPTConfig(n_layer=layers, n_embd=width, n_head=8 if width >= 512 else 4),
                         init_seed=0)
     params = [p for p in model.parameters() if p.requires_grad]
-    grads = FlatGradients(params)
-    grads.flat.normal_(std=1e-3)
+    grads = GradientBuckets(params)
+    for bucket in grads.buckets:  # one bucket here: a float32 model on the CPU
+        bucket.flat.normal_(std=1e-3)
     accumulator = ExactAccumulator(grads, 16)
     accumulator.after_microbatch(1.0)
     started = time.perf_counter()
     for _ in range(repeats):
         accumulator.after_microbatch(1.0)
-    return grads.flat.numel(), (time.perf_counter() - started) / repeats * 1000
+    numel = sum(bucket.numel for bucket in grads.buckets)
+    return numel, (time.perf_counter() - started) / repeats * 1000
 
 
 def main() -> int:

@@ -52,16 +52,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from recovery import foreign_load, git_revision, machine  # noqa: E402
+from recover.bench.env import foreign_load, git_revision, machine
 
 # Worker: a sample goes to the category of its OUTERMOST frame that matches one of
 # these patterns (so time inside torch under the model's forward is "forward", time
 # inside torch.optim under the commit is "optimizer step", and so on). Samples that
 # match none fall back to the innermost StepExecutor method they are in.
 WORKER_CATEGORIES: list[tuple[str, str]] = [
-    ("data: corpus.batch + sample ids", r"SyntheticCorpus\.|microbatch_sample_ids"),
-    ("dropout seeding (torch.manual_seed)", r"manual_seed"),
+    ("data: sample ids + corpus + collate",
+     r"DatasetMicrobatches\.|EpochSampler\.|SyntheticCorpus\.|default_collate"),
+    ("dropout seeding (torch.manual_seed)", r"manual_seed|Workload\.seed_rngs"),
     ("forward", r"TinyGPT\.forward|Module\._wrapped_call_impl"),
     ("backward", r"Tensor\.backward"),
     ("allreduce (gloo, incl. waiting for the slowest peer)", r"GenerationGroup\.allreduce_sum_"),
@@ -70,7 +70,7 @@ WORKER_CATEGORIES: list[tuple[str, str]] = [
     ("optimizer step (AdamW)", r"Optimizer\.|torch/optim/"),
     ("grpc/protobuf: sending reports", r"AgentChannel\.(send|note_fault)|SerializeToString"),
     ("waiting for the controller (commit / next plan)", r"AgentChannel\.(next_command|poll)"),
-    ("gradient buffer (accumulate / copy / load)", r"Accumulator\.|FlatGradients\."),
+    ("gradient buffer (accumulate / copy / load)", r"Accumulator\.|GradientBuckets\."),
     ("progress beacon", r"ProgressBeacon\."),
 ]
 WORKER_FALLBACKS: list[tuple[str, str]] = [

@@ -35,7 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from recovery import git_revision, machine
+
+from recover.bench.env import git_revision, machine
 
 RANKS = 4
 TENSORS = 28

@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from recovery import foreign_load, git_revision, machine, stats
+from recover.bench.env import foreign_load, git_revision, machine
+from recover.bench.recovery import stats
 
 KINDS = ["stop", "spin", "deadlock"]
 REPLICAS = 4

@@ -20,8 +20,8 @@ from typing import Any
 
 from recover.cli import bench_more
 from recover.cli.bench_more import out_dir as _out
-from recover.cli.bench_more import say
-from recover.cli.jobargs import UsageError, add_job_arguments, job_from_args, job_to_args
+from recover.cli.bench_more import reference_job, say
+from recover.cli.jobargs import UsageError, add_job_arguments, job_to_args
 
 
 def _policy_args(parser: argparse.ArgumentParser) -> None:
@@ -54,7 +54,7 @@ def add_bench_parser(sub: Any) -> None:
     kinds.required = True
     tp = kinds.add_parser("throughput", help="ReCoVer vs ckpt-restart vs failure-free, same job "
                                              "and failure schedule")
-    add_job_arguments(tp)
+    add_job_arguments(tp, command=False)
     tp.set_defaults(steps=40, compute_ms=100.0)
     tp.add_argument("--schedule", required=True, metavar="FILE", help="failure schedule (JSON)")
     tp.add_argument("--out", required=True, metavar="DIR", help="results.json, PNGs, run folders")
@@ -95,18 +95,19 @@ def run_ckpt_restart(args: argparse.Namespace) -> int:
     """`recover run --mode ckpt-restart`."""
     from recover.bench.ckpt_restart import CkptRestartConfig, run
 
-    job = job_from_args(args)
+    job = reference_job(args, "recover run --mode ckpt-restart")
     if job.reduce != "fast" or job.policy not in ("", "recover"):
         raise UsageError("--mode ckpt-restart supports --reduce fast and no --policy")
-    crashes = [f for f in job.faults if f.phase in ("forward", "backward", "reduce", "commit")]
-    if len(crashes) != len(job.faults):
+    faults = job.testing.faults
+    crashes = [f for f in faults if f.phase in ("forward", "backward", "reduce", "commit")]
+    if len(crashes) != len(faults):
         raise UsageError("--mode ckpt-restart: --kill supports the crash phases forward, backward, "
                          "reduce and commit only (the process is SIGKILLed during that step)")
     schedule = _schedule(args.schedule, job.replicas)
     policy = _policy(args, schedule.system_mtbf_s() if schedule else None)
     out = _out(args.out)
     summary = run(CkptRestartConfig(job=job, out=out, policy=policy, schedule=schedule,
-                                    step_kills=[(f.step, f.replica) for f in job.faults],
+                                    step_kills=[(f.step, f.replica) for f in faults],
                                     progress=None if args.quiet else say))
     print(f"{summary['state']}: {summary['steps_committed']}/{summary['steps_requested']} steps, "
           f"{len(summary['restarts'])} restarts, {summary['steps_redone']} steps redone, "
@@ -121,7 +122,7 @@ def _throughput(args: argparse.Namespace) -> int:
 
     if args.kill:
         raise UsageError("recover bench throughput: failures come from --schedule, not --kill")
-    job = job_from_args(args)
+    job = reference_job(args, "recover bench throughput")
     if job.reduce != "fast" or job.policy not in ("", "recover"):
         raise UsageError("recover bench throughput: the baseline supports --reduce fast only")
     schedule = _schedule(args.schedule, job.replicas)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from recover.cli.jobargs import UsageError, add_job_arguments, job_from_args, positive_int
+from recover.proto import pb
 
 
 def out_dir(path: str) -> Path:
@@ -30,6 +31,20 @@ def out_dir(path: str) -> Path:
 
 def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+def reference_job(args: argparse.Namespace, who: str) -> pb.JobConfig:
+    """The job of the flags, checked to run the built-in reference GPT: the baselines
+    re-implement its training loop, so a worker command of the user's own (from a job
+    file) is a UsageError naming `who`, before anything starts."""
+    from recover.bench.reference import NotReferenceGPT, reference_config
+
+    job = job_from_args(args)
+    try:
+        reference_config(job, who)
+    except NotReferenceGPT as exc:
+        raise UsageError(str(exc)) from None
+    return job
 
 
 def _agent_counts(text: str) -> list[int]:
@@ -54,7 +69,7 @@ def add_parsers(kinds: Any) -> None:
     rec.add_argument("--run-timeout", type=float, default=90.0, help="seconds per run (default 90)")
     ovh = kinds.add_parser("overhead", help="failure-free step time: ReCoVer fast/exact vs "
                                             "torch DDP")
-    add_job_arguments(ovh)
+    add_job_arguments(ovh, command=False)
     ovh.set_defaults(steps=40)
     ovh.add_argument("--out", required=True, metavar="DIR")
     ovh.add_argument("--reps", type=positive_int, default=3, help="runs per mode (default 3)")
@@ -83,7 +98,8 @@ def _overhead(args: argparse.Namespace) -> int:
     if args.steps < args.warmup + 3:
         raise UsageError(f"--steps ({args.steps}) must be at least --warmup + 3 "
                          f"({args.warmup + 3})")
-    config = overhead.OverheadConfig(job=job_from_args(args), out=out_dir(args.out), reps=args.reps,
+    job = reference_job(args, "recover bench overhead")
+    config = overhead.OverheadConfig(job=job, out=out_dir(args.out), reps=args.reps,
                                      warmup=args.warmup, timeout_s=args.run_timeout)
     try:
         results = overhead.run(config, say)

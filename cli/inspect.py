@@ -110,6 +110,36 @@ def format_event(event: pb.Event) -> str:
     return f"{stamp} #{event.seq:<4} {event.kind:<16} {where:<28} {event.message}"
 
 
+def write_summary(addresses: str, out: str, timeout_s: float) -> int:
+    """`recover summary`: fetch the run report from the leader, write OUT/summary.json."""
+    from recover.controller.summary import build_summary, format_summary
+    from recover.controller.summary import write_summary as write
+
+    try:
+        channel, stub = connect_leader(addresses, timeout_s)
+    except ControllerUnreachable as exc:
+        print(f"recover summary: {exc}", file=sys.stderr)
+        return 1
+    try:
+        report = stub.Report(pb.ReportRequest(), timeout=timeout_s)
+    except grpc.RpcError as exc:
+        print(f"recover summary: controller at {addresses} failed: {exc.code().name}: "
+              f"{exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+        return 1
+    finally:
+        channel.close()
+    end = report.finished_at or time.time()
+    summary = build_summary(report, end - report.started_at if report.started_at else 0.0)
+    try:
+        path = write(summary, out)
+    except OSError as exc:
+        print(f"recover summary: cannot write {out}: {exc.strerror}", file=sys.stderr)
+        return 1
+    print(format_summary(summary))
+    print(f"summary: {path}" + ("" if report.finished_at else " (the job is still running)"))
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
     try:
         channel, stub = connect_leader(args.controller, args.timeout)

@@ -1,13 +1,28 @@
-"""Job flags shared by `recover run` and `recover controller`, and their validation."""
+"""Job flags shared by `recover run`, `recover controller` and `recover bench`, and their checks.
+
+A job has three kinds of settings, kept apart in `pb.JobConfig`:
+* the core (replicas, steps, M, seed, reduction, policy, timeouts): what ReCoVer needs;
+* the workload: the worker command after `--` (any script using `recover.trainer`),
+  or the built-in reference GPT and its own flags when no command is given, plus an
+  opaque `config` table every worker receives (from a job file);
+* testing-only settings: injected faults and emulated accelerator time.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import uuid
 
 from recover.proto import pb
 from recover.trainer.faults import FaultSpecError, format_fault_spec, parse_fault_spec
+from recover.workloads.tinygpt import config as tinygpt
+
+MAX_SEED = 2 ** 63 - 1
+MAX_STEPS = 10 ** 12
+MAX_REPLICAS = 1 << 16
+MAX_MICROBATCHES = 1 << 24
 
 
 class UsageError(Exception):
@@ -31,21 +46,30 @@ def positive_int(text: str) -> int:
     return value
 
 
-def add_job_arguments(parser: argparse.ArgumentParser) -> None:
+def add_job_arguments(parser: argparse.ArgumentParser, *, command: bool = True) -> None:
     job = parser.add_argument_group("job")
+    job.add_argument("--job", metavar="FILE", default=None,
+                     help="read settings from a TOML job file ([job], [workload], [testing]); "
+                          "flags given on the command line win")
     job.add_argument("--replicas", "-R", type=positive_int, default=4,
                      help="data-parallel replicas at start (default 4)")
     job.add_argument("--steps", "-T", type=positive_int, default=50,
                      help="optimizer steps to train (default 50)")
     job.add_argument("--global-microbatches", "-M", type=positive_int, default=16,
                      help="microbatches summed by every step, whatever survives (default 16)")
-    job.add_argument("--microbatch-size", "-B", type=positive_int, default=8,
-                     help="sequences per microbatch (default 8)")
-    job.add_argument("--seed", type=int, default=0, help="seed of init, data and dropout (default 0)")
-    job.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    job.add_argument("--seed", type=int, default=0,
+                     help="the job's seed: model init, sample order, dropout (default 0)")
     job.add_argument("--reduce", choices=["fast", "exact"], default="fast",
-                     help="gradient reduction: fast = float32 sum (default); exact = integer fixed "
+                     help="gradient reduction: fast = float sum (default); exact = integer fixed "
                           "point, bitwise identical to the failure-free run")
+    job.add_argument("--reduce-dtype", choices=["grad", "float32"], default="grad",
+                     help="fast reduction: in each gradient's own dtype (default) or in float32")
+    job.add_argument("--check-determinism", action=argparse.BooleanOptionalAction, default=None,
+                     help="compute microbatch 0 twice before training and compare the gradients "
+                          "bitwise, on every replica (default: on with --reduce exact)")
+    job.add_argument("--record-sample-ids", action="store_true", default=False,
+                     help="keep every step's sample ids in the ledger and summary.json, not only "
+                          "their digest")
     job.add_argument("--policy", choices=["recover", "drop"], default="recover",
                      help="what happens to a lost replica's microbatches: recover = survivors "
                           "compute them (default); drop = the step goes on without them (ablation)")
@@ -55,34 +79,44 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     job.add_argument("--hang-factor", type=float, default=10.0,
                      help="watchdog: a microbatch may take this many times the worker's typical "
                           "microbatch time (default 10)")
-    job.add_argument("--kill", action="append", default=[], metavar="SPEC",
-                     help="inject a fault: step=S,replica=R,phase=P[,microbatch=K][,seconds=X]; "
-                          "crash phases: forward, backward, reduce, commit, rebuild, recompute; "
-                          "hangs: stop, spin, deadlock; slow (alive, seconds=X per microbatch)")
-    job.add_argument("--compute-ms", type=float, default=0.0, metavar="MS",
-                     help="emulated accelerator time: each microbatch also sleeps MS ms after its "
-                          "real forward/backward, so capacity belongs to each slot (default 0)")
+    job.add_argument("--group-timeout", type=float, default=30.0,
+                     help="safety-net timeout of a generation's collectives, seconds")
     job.add_argument("--job-id", default=None, help="name of the job (default: random)")
-    model = parser.add_argument_group("model (reference GPT)")
-    model.add_argument("--n-layer", type=positive_int, default=2)
-    model.add_argument("--n-embd", type=positive_int, default=64)
-    model.add_argument("--n-head", type=positive_int, default=4)
-    model.add_argument("--seq-len", type=positive_int, default=32)
-    model.add_argument("--vocab-size", type=positive_int, default=64)
-    model.add_argument("--group-timeout", type=float, default=30.0,
-                       help="safety-net timeout of a generation's collectives, seconds")
+    job.add_argument("--workload-config", default=None, metavar="JSON",
+                     help="a JSON object every worker receives as recover.trainer Job.config "
+                          "(a job file's [workload.config])")
+    testing = parser.add_argument_group("testing")
+    testing.add_argument("--kill", action="append", default=[], metavar="SPEC",
+                         help="inject a fault: step=S,replica=R,phase=P[,microbatch=K][,seconds=X]; "
+                              "crash phases: forward, backward, reduce, commit, rebuild, recompute; "
+                              "hangs: stop, spin, deadlock; slow (alive, seconds=X per microbatch)")
+    testing.add_argument("--compute-ms", type=float, default=0.0, metavar="MS",
+                         help="emulated accelerator time: each microbatch also sleeps MS ms after "
+                              "its real forward/backward, so capacity belongs to each slot (default 0)")
+    builtin = parser.add_argument_group(
+        "built-in workload (the reference GPT; used when no command follows --)")
+    tinygpt.add_arguments(builtin, defaults=False)
+    parser.set_defaults(file_command=None)
+    if command:
+        parser.add_argument("worker_command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
+                            help="the worker command, e.g. -- python train.py --lr 1e-3 (a leading "
+                                 "`python` is ReCoVer's own interpreter); default: the reference GPT")
 
 
-def job_from_args(args: argparse.Namespace) -> pb.JobConfig:
-    """Validate the job flags and build the JobConfig; raises UsageError with the reason."""
+def _check_core(args: argparse.Namespace) -> None:
+    if args.replicas > MAX_REPLICAS:
+        raise UsageError(f"--replicas must be at most {MAX_REPLICAS}, got {args.replicas}")
+    if args.steps > MAX_STEPS:
+        raise UsageError(f"--steps must be at most {MAX_STEPS}, got {args.steps}")
+    if args.global_microbatches > MAX_MICROBATCHES:
+        raise UsageError(f"--global-microbatches must be at most {MAX_MICROBATCHES}, got "
+                         f"{args.global_microbatches}")
     if args.global_microbatches < args.replicas:
         raise UsageError(
             f"--global-microbatches ({args.global_microbatches}) must be at least --replicas "
             f"({args.replicas}): every replica needs a microbatch")
-    if args.n_embd % args.n_head:
-        raise UsageError(f"--n-embd ({args.n_embd}) must be a multiple of --n-head ({args.n_head})")
-    if not 0 < args.lr < math.inf:
-        raise UsageError(f"--lr must be a positive number, got {args.lr}")
+    if not -MAX_SEED - 1 <= args.seed <= MAX_SEED:
+        raise UsageError(f"--seed must fit in 64 bits (|seed| < 2**63), got {args.seed}")
     if not 0 < args.group_timeout < math.inf:
         raise UsageError(f"--group-timeout must be a positive number of seconds, "
                          f"got {args.group_timeout}")
@@ -91,6 +125,46 @@ def job_from_args(args: argparse.Namespace) -> pb.JobConfig:
             raise UsageError(f"{flag} must be a positive number, got {value}")
     if not 0 <= args.compute_ms < 3_600_000:
         raise UsageError(f"--compute-ms must be a number of milliseconds >= 0, got {args.compute_ms}")
+    if args.reduce == "exact" and args.reduce_dtype != "grad":
+        raise UsageError("--reduce-dtype applies to --reduce fast (exact reduction is integer "
+                         "fixed point whatever the gradient dtype)")
+
+
+def worker_command(args: argparse.Namespace) -> list[str]:
+    """The command after `--`, the job file's, or the built-in GPT's with its flags."""
+    given = list(getattr(args, "worker_command", None) or [])
+    if given[:1] == ["--"]:
+        given = given[1:]
+    elif given:
+        raise UsageError(f"unexpected argument {given[0]!r}: the worker command goes after `--`")
+    command = given or list(args.file_command or [])
+    builtin_flags = tinygpt.given(args)
+    if command:
+        if builtin_flags:
+            raise UsageError(f"{', '.join(builtin_flags)} configure the built-in GPT; with a "
+                             "command of your own, pass your script's flags after --")
+        return command
+    try:
+        return tinygpt.command(tinygpt.from_args(args))
+    except tinygpt.ConfigError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _workload_config(text: str | None) -> str:
+    if text is None:
+        return ""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--workload-config is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise UsageError("--workload-config must be a JSON object")
+    return json.dumps(value, sort_keys=True)
+
+
+def job_from_args(args: argparse.Namespace) -> pb.JobConfig:
+    """Validate the job flags and build the JobConfig; raises UsageError with the reason."""
+    _check_core(args)
     faults = []
     for text in args.kill:
         try:
@@ -104,35 +178,38 @@ def job_from_args(args: argparse.Namespace) -> pb.JobConfig:
             raise UsageError(f"--kill {text!r}: replica {spec.replica} does not exist "
                              f"(replicas are 0..{args.replicas - 1})")
         faults.append(spec)
+    check = args.reduce == "exact" if args.check_determinism is None else args.check_determinism
     return pb.JobConfig(
         job_id=args.job_id or f"job-{uuid.uuid4().hex[:8]}",
-        replicas=args.replicas, steps=args.steps,
-        global_microbatches=args.global_microbatches, microbatch_size=args.microbatch_size,
-        seed=args.seed, reduce=args.reduce, learning_rate=args.lr,
-        model=pb.ModelConfig(vocab_size=args.vocab_size, seq_len=args.seq_len,
-                             n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                             dropout=0.1),
-        faults=faults, group_timeout_s=args.group_timeout, corpus_seed=1234,
-        policy=args.policy, hang_timeout_s=args.hang_timeout, hang_factor=args.hang_factor,
-        compute_ms=args.compute_ms)
+        replicas=args.replicas, steps=args.steps, global_microbatches=args.global_microbatches,
+        seed=args.seed, reduce=args.reduce, reduce_dtype=args.reduce_dtype,
+        check_determinism=check, record_sample_ids=args.record_sample_ids,
+        group_timeout_s=args.group_timeout, policy=args.policy,
+        hang_timeout_s=args.hang_timeout, hang_factor=args.hang_factor,
+        workload=pb.WorkloadSpec(command=worker_command(args),
+                                 config_json=_workload_config(args.workload_config)),
+        testing=pb.TestingConfig(faults=faults, compute_ms=args.compute_ms))
 
 
 def job_to_args(job: pb.JobConfig) -> list[str]:
-    """The flags that rebuild `job` (how `recover run` hands it to its controller)."""
+    """The flags that rebuild `job` (how `recover run` hands it to its controller). They
+    end with `-- COMMAND`: a caller's own flags go before them."""
     args = [
         "--replicas", str(job.replicas), "--steps", str(job.steps),
-        "--global-microbatches", str(job.global_microbatches),
-        "--microbatch-size", str(job.microbatch_size), "--seed", str(job.seed),
-        "--lr", repr(job.learning_rate), "--reduce", job.reduce, f"--job-id={job.job_id}",
-        "--n-layer", str(job.model.n_layer), "--n-embd", str(job.model.n_embd),
-        "--n-head", str(job.model.n_head), "--seq-len", str(job.model.seq_len),
-        "--vocab-size", str(job.model.vocab_size), "--group-timeout", repr(job.group_timeout_s),
+        "--global-microbatches", str(job.global_microbatches), "--seed", str(job.seed),
+        "--reduce", job.reduce, "--reduce-dtype", job.reduce_dtype or "grad",
+        "--check-determinism" if job.check_determinism else "--no-check-determinism",
+        f"--job-id={job.job_id}", "--group-timeout", repr(job.group_timeout_s),
         "--policy", job.policy or "recover", "--hang-timeout", repr(job.hang_timeout_s),
-        "--hang-factor", repr(job.hang_factor), "--compute-ms", repr(job.compute_ms),
+        "--hang-factor", repr(job.hang_factor), "--compute-ms", repr(job.testing.compute_ms),
     ]
-    for fault in job.faults:
+    if job.record_sample_ids:
+        args.append("--record-sample-ids")
+    if job.workload.config_json:
+        args.append(f"--workload-config={job.workload.config_json}")
+    for fault in job.testing.faults:
         args += ["--kill", format_fault_spec(fault)]
-    return args
+    return [*args, "--", *job.workload.command]
 
 
 def positive_seconds(text: str) -> float:

@@ -8,7 +8,7 @@ status, and writes OUT/summary.json when the job ends.
 from __future__ import annotations
 
 import argparse
-import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,8 +20,8 @@ import grpc
 
 from recover.cli import inspect
 from recover.cli.jobargs import UsageError, job_from_args, job_to_args
-from recover.cli.summary import build_summary, format_summary
 from recover.controller.store import StoreError, open_store
+from recover.controller.summary import build_summary, format_summary, write_summary
 from recover.proto import pb
 
 TERMINAL = ("succeeded", "failed")
@@ -136,8 +136,20 @@ class Progress:
             self._width = 0
 
 
+def check_command(command: list[str]) -> None:
+    """Catch the typos a local job would otherwise meet in every worker's log."""
+    program = command[0]
+    if program not in ("python", "python3") and shutil.which(program) is None:
+        raise UsageError(f"recover run: the worker command {program!r} is not a program on PATH")
+    if program in ("python", "python3") and len(command) > 1 and command[1].endswith(".py") \
+            and not Path(command[1]).is_file():
+        raise UsageError(f"recover run: no script {command[1]!r} (the worker command is run "
+                         "from the current directory)")
+
+
 def run_local(args: argparse.Namespace) -> int:
     job_config = job_from_args(args)
+    check_command(list(job_config.workload.command))
     try:
         open_store(args.store)
     except StoreError as exc:
@@ -165,27 +177,28 @@ def run_local(args: argparse.Namespace) -> int:
     try:
         for index, port_file in enumerate(port_files):
             job.start(controller_name(index), [
-                python, "-m", "recover.cli.main", "controller", *job_to_args(job_config),
+                python, "-m", "recover.cli.main", "controller",
                 "--port", "0", "--port-file", str(port_file), "--store", args.store,
-                "--controller-id", controller_name(index)])
+                "--controller-id", controller_name(index), "--start-timeout",
+                repr(args.start_timeout), *job_to_args(job_config)])
         addresses = [f"127.0.0.1:{_wait_for_port(job, controller_name(i), f)}"
                      for i, f in enumerate(port_files)]
         address = ",".join(addresses)
         for index, slots in enumerate(split_slots(job_config.replicas, agents)):
             job.start(f"agent-{index}", [
                 python, "-m", "recover.cli.main", "agent", "--controller", address,
-                "--slots", str(slots), "--agent-id", f"host{index}",
-                "--log-dir", str(job.logs), "--", python, "-m", "recover.trainer.worker"])
+                "--slots", str(slots), "--agent-id", f"host{index}", "--log-dir", str(job.logs)])
         print(f"recover run: job {job_config.job_id}, {job_config.replicas} replicas on {agents} "
               f"agents, controller{'s' if len(addresses) > 1 else ''} {address}, logs in "
               f"{job.logs}", file=sys.stderr)
         report = _watch(job, addresses, progress)
         summary = build_summary(report, time.monotonic() - started)
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_summary(summary, out)
         progress.done()
         print(format_summary(summary))
         print(f"summary: {out / 'summary.json'}")
         if summary["state"] != "succeeded":
+            _print_user_traceback(summary)
             print(f"recover run: training failed: {summary['reason']}", file=sys.stderr)
             return 1
         return 0
@@ -201,6 +214,16 @@ def run_local(args: argparse.Namespace) -> int:
         job.stop()
         for port_file in port_files:
             port_file.unlink(missing_ok=True)
+
+
+def _print_user_traceback(summary: dict[str, object]) -> None:
+    """When the user's code raised, show its own traceback once (ReCoVer's frames left out)."""
+    failures = summary.get("failures") or []
+    assert isinstance(failures, list)
+    for failure in reversed(failures):
+        if failure.get("traceback"):
+            print(failure["traceback"].rstrip(), file=sys.stderr)
+            return
 
 
 def _watch(job: LocalJob, addresses: list[str], progress: Progress) -> pb.RunReport:

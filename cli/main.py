@@ -5,6 +5,7 @@
     recover agent       one per host: runs that host's workers
     recover status      a running job's state
     recover events      a running job's event log
+    recover summary     a job's summary.json, fetched from its controller
     recover verify      compare two runs' ledgers and parameter digests step by step
     recover plot        draw loss per step of several runs, failures marked
     recover bench       benchmarks: throughput, recovery, overhead, controller, simulator
@@ -18,7 +19,7 @@ import argparse
 import asyncio
 import sys
 
-from recover.cli import bench
+from recover.cli import bench, jobfile
 from recover.cli.jobargs import (
     Parser,
     UsageError,
@@ -28,7 +29,8 @@ from recover.cli.jobargs import (
     positive_seconds,
 )
 
-DEFAULT_WORKER = [sys.executable, "-m", "recover.trainer.worker"]
+JOB_COMMANDS = (("run",), ("controller",), ("bench", "throughput"), ("bench", "overhead"))
+"""Subcommands that take job flags (and a `--job FILE`)."""
 
 
 def build_parser() -> Parser:
@@ -46,6 +48,8 @@ def build_parser() -> Parser:
     run.add_argument("--store", default="memory://",
                      help="controller state store: memory:// (default) or etcd://HOST:PORT[,...]")
     bench.add_run_mode_arguments(run)
+    run.add_argument("--start-timeout", type=positive_seconds, default=120.0,
+                     help="seconds the workers get to build their models and report ready")
     run.add_argument("--controllers", type=int, default=1,
                      help="controller processes (one leads, the others stand by; needs an etcd "
                           "--store when more than 1)")
@@ -71,6 +75,8 @@ def build_parser() -> Parser:
                      help="this controller's name in the leader election (default: host-pid)")
     ctl.add_argument("--lease-ttl", type=int, default=2,
                      help="leader lease TTL in whole seconds (a crashed leader is replaced after it)")
+    ctl.add_argument("--summary-out", default=None, metavar="DIR",
+                     help="write DIR/summary.json when the job ends (as `recover run` does)")
 
     agent = sub.add_parser("agent", help="run one host's workers",
                            usage="recover agent --controller HOST:PORT --slots N [-- COMMAND ...]")
@@ -85,7 +91,8 @@ def build_parser() -> Parser:
     agent.add_argument("--connect-timeout", type=positive_seconds, default=10.0,
                        help="seconds to wait for the controller at start")
     agent.add_argument("worker_command", nargs=argparse.REMAINDER,
-                       help="after --: the worker command (default: the reference GPT worker)")
+                       help="after --: the worker command (default: the job's, set on the "
+                            "controller)")
 
     for name, helptext in (("status", "show a running job's state"),
                            ("events", "show a running job's events")):
@@ -97,6 +104,12 @@ def build_parser() -> Parser:
                        help="seconds to wait for the controller to answer")
         if name == "events":
             p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
+    summary = sub.add_parser("summary", help="write a job's summary.json, fetched from its controller")
+    summary.add_argument("--controller", default="127.0.0.1:50051",
+                         help="HOST:PORT, or a comma-separated list (the leader among them answers)")
+    summary.add_argument("--out", required=True, metavar="DIR", help="where summary.json goes")
+    summary.add_argument("--timeout", type=positive_seconds, default=10.0,
+                         help="seconds to wait for the controller to answer")
     verify = sub.add_parser("verify", help="compare two runs step by step (samples, parameters)")
     verify.add_argument("run_a", help="a run directory (with summary.json) or a summary.json")
     verify.add_argument("run_b")
@@ -120,6 +133,14 @@ def parse_addresses(text: str, flag: str = "--controller") -> list[str]:
     return [parse_address(part, flag) for part in parts]
 
 
+def job_parser(parser: Parser, path: tuple[str, ...]) -> Parser:
+    """The parser of a (sub)subcommand, e.g. ('bench', 'throughput')."""
+    for name in path:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
+        parser = sub.choices[name]
+    return parser
+
+
 def _run_controller(args: argparse.Namespace) -> int:
     from recover.common import logs
     from recover.controller.server import ControllerConfig, serve
@@ -141,7 +162,8 @@ def _run_controller(args: argparse.Namespace) -> int:
                               store_url=args.store, agent_timeout_s=args.agent_timeout,
                               start_timeout_s=args.start_timeout, linger_s=args.linger,
                               metrics_port=args.metrics_port, advertise=args.advertise,
-                              controller_id=args.controller_id, lease_ttl_s=args.lease_ttl)
+                              controller_id=args.controller_id, lease_ttl_s=args.lease_ttl,
+                              summary_dir=args.summary_out)
     try:
         return asyncio.run(serve(config, job))
     except OSError as exc:
@@ -159,7 +181,7 @@ def _run_agent(args: argparse.Namespace) -> int:
     command = args.worker_command[1:] if args.worker_command[:1] == ["--"] else args.worker_command
     logs.configure("agent")
     config = AgentConfig(controller=args.controller, slots=args.slots,
-                         command=command or DEFAULT_WORKER, log_dir=args.log_dir,
+                         command=command or None, log_dir=args.log_dir,
                          connect_timeout_s=args.connect_timeout, metrics_port=args.metrics_port,
                          **({"agent_id": args.agent_id} if args.agent_id else {}))
     try:
@@ -170,8 +192,12 @@ def _run_agent(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     try:
+        for path in JOB_COMMANDS:
+            if tuple(argv[:len(path)]) == path:
+                jobfile.apply(job_parser(parser, path), argv[len(path):])
         args = parser.parse_args(argv)
         if args.command == "run" and args.mode == "ckpt-restart":
             return bench.run_ckpt_restart(args)
@@ -197,6 +223,11 @@ def main(argv: list[str] | None = None) -> int:
 
             print(f"wrote {plot.plot(args.runs, args.out, args.label)}")
             return 0
+        if args.command == "summary":
+            from recover.cli import inspect
+
+            parse_addresses(args.controller)
+            return inspect.write_summary(args.controller, args.out, args.timeout)
         from recover.cli import inspect
 
         parse_addresses(args.controller)

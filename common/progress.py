@@ -25,6 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 BEAT_PERIOD_S = 0.1
+FIRST_MICROBATCH_GRACE_S = 120.0
+"""Bound on a worker's first microbatch, before it has a typical time: the first one pays
+for warm-up (allocator, kernels, torch.compile, a lazy data load) and may take a while."""
 # beat_at, computing, compute_started_at, typical_s, microbatches, killed_at (wall clock)
 _LAYOUT = struct.Struct("<6d")
 SIZE = _LAYOUT.size
@@ -74,8 +77,14 @@ def judge(snapshot: ProgressSnapshot, now: float, timeout_s: float, factor: floa
         return HangVerdict(True, f"no liveness beat for {silent:.1f}s (bound {timeout_s:.1f}s): "
                                  "the process is stopped or a call holds the GIL")
     if snapshot.computing:
-        bound = max(timeout_s, factor * snapshot.typical_microbatch_s)
         running = now - snapshot.compute_started_at
+        if snapshot.microbatches == 0:
+            bound = max(timeout_s, FIRST_MICROBATCH_GRACE_S)
+            if running > bound:
+                return HangVerdict(True, f"its first microbatch has run for {running:.1f}s "
+                                         f"(bound {bound:.0f}s)")
+            return HangVerdict(False, f"first microbatch for {running:.2f}s of {bound:.0f}s")
+        bound = max(timeout_s, factor * snapshot.typical_microbatch_s)
         if running > bound:
             return HangVerdict(True, f"one microbatch has run for {running:.1f}s (bound {bound:.1f}s "
                                      f"= max({timeout_s:.1f}s, {factor:g} x typical "

@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from recover.controller import policy
+from recover.controller import policy, worker_errors
 from recover.controller.admission import admit_agent
 from recover.controller.events import EventLog
 from recover.controller.jobstate import (
@@ -32,7 +32,7 @@ from recover.controller.jobstate import (
     plan_message,
     step_record,
 )
-from recover.controller.recoveries import RecoveryTracker
+from recover.controller.recoveries import RecoveryTracker, observed_phase
 from recover.controller.store import Store
 from recover.controller.takeover import PersistedJob, Takeover
 from recover.proto import pb
@@ -84,6 +84,10 @@ class Coordinator:
         self.done = asyncio.Event()
         self.takeover: Takeover | None = None
         """Set while a new leader waits for the agents to rejoin (see takeover.py)."""
+        self.workload = pb.WorkloadInfo()
+        """What the workers train, from the first `ready` report."""
+        self._errors: dict[worker_errors.ErrorKey, int] = {}
+        """Errors in the user's code so far, and the replica that reported each first."""
 
     def restore(self, persisted: PersistedJob) -> None:
         """Take over from a previous leader: rebuild the job's state from what it persisted."""
@@ -168,8 +172,9 @@ class Coordinator:
             ready = sum(r.ready for r in self.replicas.values())
             await self.fail(
                 f"only {ready} of {self.job.replicas} replicas were ready after "
-                f"{self.start_timeout_s:.0f}s (are the agents running?)"
-            )
+                f"{self.start_timeout_s:.0f}s ({len(self.replicas)} hosted by the agents that "
+                "registered): are the agents running, or does building the model take longer "
+                "(--start-timeout)?")
 
     start_timeout_s: float = 120.0
 
@@ -183,6 +188,15 @@ class Coordinator:
         info.ready, info.pid = True, ready.pid
         self.events.emit("replica-ready", f"pid {ready.pid}, params {ready.param_sha256[:12]}",
                          replica=replica)
+        if not self.workload.parameters:
+            self.workload.CopyFrom(ready.workload)
+        mismatch = worker_errors.determinism_mismatch(
+            replica, ready.workload.determinism_sha256, self.workload.determinism_sha256)
+        if mismatch is not None and self.job.reduce == "exact":
+            await self.fail(mismatch)
+            return
+        if mismatch is not None:  # fast mode promises no bitwise equality: say it, go on
+            self.events.emit("nondeterminism", mismatch, replica=replica, level=logging.WARNING)
         if len(self.replicas) == self.job.replicas and all(
                 r.ready for r in self.replicas.values()):
             await self._start()
@@ -191,17 +205,16 @@ class Coordinator:
         info = self.replicas.get(exited.replica)
         if info is None or not info.alive:
             return
-        how = f"signal {exited.signal}" if exited.signal else f"exit code {exited.exit_code}"
-        if exited.killed_by_agent:
-            cause = "watchdog"
-        else:
-            cause = "injected" if exited.HasField("fault") else "external"
-        self.record_failure(exited.replica, cause, exited)
-        if self.state is JobState.WAITING:
+        verdict = worker_errors.judge_exit(exited, training=self.state is not JobState.WAITING,
+                                           earlier_errors=self._errors)
+        for key in worker_errors.error_keys(exited.error) if exited.HasField("error") else ():
+            self._errors.setdefault(key, exited.replica)
+        self.record_failure(exited.replica, worker_errors.failure_cause(exited), exited)
+        if verdict.fatal:
             info.alive = False
-            await self.fail(f"replica {exited.replica} exited ({how}) before training started")
+            await self.fail(verdict.reason)
             return
-        await self._lose([exited.replica], f"replica {exited.replica} exited ({how})")
+        await self._lose([exited.replica], verdict.reason)
 
     async def resumed(self, replica: int, msg: pb.Resumed) -> None:
         if msg.generation != self.generation or replica not in self.members:
@@ -246,6 +259,8 @@ class Coordinator:
         members = sorted(self.replicas)
         decision = policy.uniform_plan(members, self.job.global_microbatches)
         self.events.emit("started", f"{len(members)} replicas; {decision.reason}")
+        # For a new leader's summary: what the workers train is known only from `ready`.
+        await self._store.put(self._prefix + "workload", self.workload.SerializeToString())
         await self.new_generation(members, decision)
 
     async def new_generation(self, members: list[int], decision: policy.PlanDecision) -> None:
@@ -318,7 +333,8 @@ class Coordinator:
         step, self.step = self.step, self.step + 1
         self.scale_epoch = 0
         final = self.step >= job.steps
-        commit = pb.Commit(step=step, generation=self.generation, final=final)
+        commit = pb.Commit(step=step, generation=self.generation, final=final,
+                           microbatches=record.microbatches, tokens=record.tokens)
         if not final:
             decision = policy.uniform_plan(self.members, job.global_microbatches)
             self.plan = dict(decision.assignment)
@@ -387,15 +403,10 @@ class Coordinator:
             if self.agents[agent_id].alive:
                 self._send(agent_id, message)
 
-    def _observed_phase(self, replica: int) -> str:
-        if self.state is JobState.WAITING:
-            return "startup"
-        if replica not in self._progress.resumed:
-            return "rebuild"
-        return "commit" if replica in self._progress.reduced else "compute"
-
     def record_failure(self, replica: int, cause: str, exited: pb.WorkerExited | None,
                        phase: str = "") -> None:
+        phase = phase or observed_phase(replica, started=self.state is not JobState.WAITING,
+                                        resumed=self._progress.resumed,
+                                        reduced=self._progress.reduced)
         self.recovery.failed(replica, cause, exited, step=self.step, generation=self.generation,
-                             phase=phase or self._observed_phase(replica),
-                             during_training=self.state is JobState.RUNNING)
+                             phase=phase, during_training=self.state is JobState.RUNNING)

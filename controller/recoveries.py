@@ -11,12 +11,22 @@ the moments; it keeps the records, persists them off the step's critical path
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from recover.controller.events import EventLog
 from recover.proto import pb
 
 PHASES = ("detect", "plan", "rebuild", "recompute", "commit")
+
+
+def observed_phase(replica: int, *, started: bool, resumed: Collection[int],
+                   reduced: Collection[int]) -> str:
+    """Where a replica that failed without saying so was, as the controller saw it."""
+    if not started:
+        return "startup"
+    if replica not in resumed:
+        return "rebuild"
+    return "commit" if replica in reduced else "compute"
 
 
 class RecoveryTracker:
@@ -38,6 +48,8 @@ class RecoveryTracker:
         progress. An injected fault knows its own step, phase and moment better than we do."""
         failure = pb.FailureRecord(step=step, replica=replica, cause=cause, phase=phase,
                                    detected_at=self._clock(), generation=generation)
+        if exited is not None and exited.HasField("error"):
+            failure.error.CopyFrom(exited.error)
         if exited is not None and exited.HasField("fault"):
             failure.phase = exited.fault.phase
             failure.killed_at = exited.fault.killed_at
@@ -47,6 +59,8 @@ class RecoveryTracker:
         if during_training:
             self._unrecovered.append(failure)
         detail = f" ({exited.killed_by_agent})" if exited is not None and exited.killed_by_agent else ""
+        if failure.HasField("error"):
+            detail = f": {failure.error.message}"
         self._events.emit("replica-failed", f"{cause} failure in phase {failure.phase}{detail}",
                           step=failure.step, generation=generation, replica=replica,
                           level=logging.WARNING)

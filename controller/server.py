@@ -21,8 +21,14 @@ from recover.controller.coordinator import Coordinator, JobState
 from recover.controller.leader import ElectionConfig, LeaderElection, LeaderStore, LostLeadership
 from recover.controller.metrics import ControllerCollector, RoleCollector
 from recover.controller.rendezvous import RendezvousHost
-from recover.controller.service import KEEPALIVE_SERVER_OPTIONS, AgentSessions, ControlService
+from recover.controller.service import (
+    KEEPALIVE_SERVER_OPTIONS,
+    AgentSessions,
+    ControlService,
+    run_report,
+)
 from recover.controller.store import Store, StoreError, open_store
+from recover.controller.summary import build_summary, write_summary
 from recover.proto import pb, rpc
 
 log = logging.getLogger("recover.controller")
@@ -57,6 +63,8 @@ class ControllerConfig:
     """This controller's name in the election (default: hostname-pid)."""
     lease_ttl_s: int = 2
     """Leader lease TTL in seconds: a crashed leader is replaced about this long after."""
+    summary_dir: str | None = None
+    """Write SUMMARY_DIR/summary.json when the job ends (None: don't)."""
 
 
 async def wait_for_store(store: Store, url: str, retry_s: float = 2.0) -> None:
@@ -195,6 +203,14 @@ async def _serve_term(config: ControllerConfig, coordinator: Coordinator,
 
     async def linger_after_done() -> str:
         await coordinator.done.wait()
+        if config.summary_dir is not None:
+            report = run_report(coordinator)
+            try:
+                path = write_summary(build_summary(report, coordinator.now() - coordinator.created_at),
+                                     config.summary_dir)
+                log.info("wrote %s", path)
+            except OSError as exc:
+                log.error("cannot write the summary to %s: %s", config.summary_dir, exc)
         await asyncio.sleep(config.linger_s if config.linger_s is not None else 1e9)
         return FINISHED
 

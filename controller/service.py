@@ -219,13 +219,18 @@ class ControlService(rpc.ControlServicer):
 
     async def Report(self, request: pb.ReportRequest, context: grpc.aio.ServicerContext  # noqa: N802
                      ) -> pb.RunReport:
-        c = await self._leading(context)
-        return pb.RunReport(
-            job=c.job, status=job_status(c), steps=c.steps, failures=c.failures,
-            started_at=c.started_at, finished_at=c.finished_at,
-            recovery_timings=[pb.RecoveryTiming(**{f"{phase}_s": seconds for phase, seconds
-                                                   in timing.items()})
-                              for timing in c.recovery.timings])
+        return run_report(await self._leading(context))
+
+
+def run_report(c: Coordinator) -> pb.RunReport:
+    """Everything the leader knows of the run, for `recover run`, `recover summary` and
+    the controller's own summary.json."""
+    return pb.RunReport(
+        job=c.job, status=job_status(c), steps=c.steps, failures=c.failures,
+        started_at=c.started_at, finished_at=c.finished_at, workload=c.workload,
+        recovery_timings=[pb.RecoveryTiming(**{f"{phase}_s": seconds for phase, seconds
+                                               in timing.items()})
+                          for timing in c.recovery.timings])
 
 
 def job_status(c: Coordinator) -> pb.JobStatus:

@@ -46,6 +46,8 @@ class PersistedJob:
     events: list[pb.Event] = field(default_factory=list)
     result: pb.Shutdown | None = None
     """How the job ended, when it did (a new leader then only serves its status)."""
+    workload: pb.WorkloadInfo | None = None
+    """What the workers train, as the first ready replica reported it."""
 
     @property
     def empty(self) -> bool:
@@ -56,6 +58,7 @@ async def load(store: Store, prefix: str) -> PersistedJob:
     raw_job = await store.get(prefix + "job")
     raw_view = await store.get(prefix + "generation")
     raw_result = await store.get(prefix + "result")
+    raw_workload = await store.get(prefix + "workload")
 
     async def values(sub: str) -> list[bytes]:
         return [v for _, v in await store.get_prefix(prefix + sub)]
@@ -67,7 +70,8 @@ async def load(store: Store, prefix: str) -> PersistedJob:
         agents=[pb.AgentRecord.FromString(v) for v in await values("agents/")],
         failures=[pb.FailureRecord.FromString(v) for v in await values("failures/")],
         events=[pb.Event.FromString(v) for v in await values("events/")],
-        result=pb.Shutdown.FromString(raw_result) if raw_result else None)
+        result=pb.Shutdown.FromString(raw_result) if raw_result else None,
+        workload=pb.WorkloadInfo.FromString(raw_workload) if raw_workload else None)
 
 
 def resume_plan(view: pb.GenerationView, committed: int, survivors: list[int],
@@ -115,6 +119,8 @@ class Takeover:
         self.rejoined: set[str] = set()
         c.steps = list(persisted.steps)
         c.step = len(c.steps)
+        if persisted.workload is not None:
+            c.workload.CopyFrom(persisted.workload)
         c.recovery.failures = list(persisted.failures)
         c.recoveries = len({f.generation for f in c.failures})
         c.events.restore(persisted.events)
@@ -182,7 +188,8 @@ class Takeover:
         if c.steps:
             last = c.steps[-1]
             c.broadcast(pb.ControllerMessage(commit=pb.Commit(
-                step=last.step, generation=last.generation, final=c.step >= c.job.steps)))
+                step=last.step, generation=last.generation, final=c.step >= c.job.steps,
+                microbatches=last.microbatches, tokens=last.tokens)))
         survivors = [m for m in view.members if c.replicas[m].alive]
         if not survivors:
             await c.fail(f"no replica rejoined the new leader (expected agents {sorted(self.expected)})")

@@ -6,22 +6,6 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class ModelConfig(_message.Message):
-    __slots__ = ("vocab_size", "seq_len", "n_layer", "n_head", "n_embd", "dropout")
-    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
-    SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
-    N_LAYER_FIELD_NUMBER: _ClassVar[int]
-    N_HEAD_FIELD_NUMBER: _ClassVar[int]
-    N_EMBD_FIELD_NUMBER: _ClassVar[int]
-    DROPOUT_FIELD_NUMBER: _ClassVar[int]
-    vocab_size: int
-    seq_len: int
-    n_layer: int
-    n_head: int
-    n_embd: int
-    dropout: float
-    def __init__(self, vocab_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., n_layer: _Optional[int] = ..., n_head: _Optional[int] = ..., n_embd: _Optional[int] = ..., dropout: _Optional[float] = ...) -> None: ...
-
 class FaultSpec(_message.Message):
     __slots__ = ("step", "replica", "phase", "microbatch", "seconds")
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -36,41 +20,55 @@ class FaultSpec(_message.Message):
     seconds: float
     def __init__(self, step: _Optional[int] = ..., replica: _Optional[int] = ..., phase: _Optional[str] = ..., microbatch: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
+class WorkloadSpec(_message.Message):
+    __slots__ = ("command", "config_json")
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    command: _containers.RepeatedScalarFieldContainer[str]
+    config_json: str
+    def __init__(self, command: _Optional[_Iterable[str]] = ..., config_json: _Optional[str] = ...) -> None: ...
+
+class TestingConfig(_message.Message):
+    __slots__ = ("faults", "compute_ms")
+    FAULTS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    faults: _containers.RepeatedCompositeFieldContainer[FaultSpec]
+    compute_ms: float
+    def __init__(self, faults: _Optional[_Iterable[_Union[FaultSpec, _Mapping]]] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+
 class JobConfig(_message.Message):
-    __slots__ = ("job_id", "replicas", "steps", "global_microbatches", "microbatch_size", "seed", "reduce", "learning_rate", "model", "faults", "group_timeout_s", "corpus_seed", "policy", "hang_timeout_s", "hang_factor", "compute_ms")
+    __slots__ = ("job_id", "replicas", "steps", "global_microbatches", "seed", "reduce", "group_timeout_s", "policy", "hang_timeout_s", "hang_factor", "workload", "testing", "reduce_dtype", "check_determinism", "record_sample_ids")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
-    MICROBATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     REDUCE_FIELD_NUMBER: _ClassVar[int]
-    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
-    MODEL_FIELD_NUMBER: _ClassVar[int]
-    FAULTS_FIELD_NUMBER: _ClassVar[int]
     GROUP_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
-    CORPUS_SEED_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     HANG_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     HANG_FACTOR_FIELD_NUMBER: _ClassVar[int]
-    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    WORKLOAD_FIELD_NUMBER: _ClassVar[int]
+    TESTING_FIELD_NUMBER: _ClassVar[int]
+    REDUCE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CHECK_DETERMINISM_FIELD_NUMBER: _ClassVar[int]
+    RECORD_SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     replicas: int
     steps: int
     global_microbatches: int
-    microbatch_size: int
     seed: int
     reduce: str
-    learning_rate: float
-    model: ModelConfig
-    faults: _containers.RepeatedCompositeFieldContainer[FaultSpec]
     group_timeout_s: float
-    corpus_seed: int
     policy: str
     hang_timeout_s: float
     hang_factor: float
-    compute_ms: float
-    def __init__(self, job_id: _Optional[str] = ..., replicas: _Optional[int] = ..., steps: _Optional[int] = ..., global_microbatches: _Optional[int] = ..., microbatch_size: _Optional[int] = ..., seed: _Optional[int] = ..., reduce: _Optional[str] = ..., learning_rate: _Optional[float] = ..., model: _Optional[_Union[ModelConfig, _Mapping]] = ..., faults: _Optional[_Iterable[_Union[FaultSpec, _Mapping]]] = ..., group_timeout_s: _Optional[float] = ..., corpus_seed: _Optional[int] = ..., policy: _Optional[str] = ..., hang_timeout_s: _Optional[float] = ..., hang_factor: _Optional[float] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+    workload: WorkloadSpec
+    testing: TestingConfig
+    reduce_dtype: str
+    check_determinism: bool
+    record_sample_ids: bool
+    def __init__(self, job_id: _Optional[str] = ..., replicas: _Optional[int] = ..., steps: _Optional[int] = ..., global_microbatches: _Optional[int] = ..., seed: _Optional[int] = ..., reduce: _Optional[str] = ..., group_timeout_s: _Optional[float] = ..., policy: _Optional[str] = ..., hang_timeout_s: _Optional[float] = ..., hang_factor: _Optional[float] = ..., workload: _Optional[_Union[WorkloadSpec, _Mapping]] = ..., testing: _Optional[_Union[TestingConfig, _Mapping]] = ..., reduce_dtype: _Optional[str] = ..., check_determinism: _Optional[bool] = ..., record_sample_ids: _Optional[bool] = ...) -> None: ...
 
 class Assignment(_message.Message):
     __slots__ = ("replica", "microbatch_ids")
@@ -107,16 +105,20 @@ class GenerationView(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., rendezvous: _Optional[str] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ...) -> None: ...
 
 class Commit(_message.Message):
-    __slots__ = ("step", "generation", "next_plan", "final")
+    __slots__ = ("step", "generation", "next_plan", "final", "microbatches", "tokens")
     STEP_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     NEXT_PLAN_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     step: int
     generation: int
     next_plan: Plan
     final: bool
-    def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., next_plan: _Optional[_Union[Plan, _Mapping]] = ..., final: _Optional[bool] = ...) -> None: ...
+    microbatches: int
+    tokens: int
+    def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., next_plan: _Optional[_Union[Plan, _Mapping]] = ..., final: _Optional[bool] = ..., microbatches: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class Shutdown(_message.Message):
     __slots__ = ("reason", "success")
@@ -126,13 +128,27 @@ class Shutdown(_message.Message):
     success: bool
     def __init__(self, reason: _Optional[str] = ..., success: _Optional[bool] = ...) -> None: ...
 
+class WorkloadInfo(_message.Message):
+    __slots__ = ("parameters", "gradient_buckets", "samples_per_microbatch", "determinism_sha256")
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    DETERMINISM_SHA256_FIELD_NUMBER: _ClassVar[int]
+    parameters: int
+    gradient_buckets: _containers.RepeatedScalarFieldContainer[str]
+    samples_per_microbatch: int
+    determinism_sha256: str
+    def __init__(self, parameters: _Optional[int] = ..., gradient_buckets: _Optional[_Iterable[str]] = ..., samples_per_microbatch: _Optional[int] = ..., determinism_sha256: _Optional[str] = ...) -> None: ...
+
 class Ready(_message.Message):
-    __slots__ = ("param_sha256", "pid")
+    __slots__ = ("param_sha256", "pid", "workload")
     PARAM_SHA256_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    WORKLOAD_FIELD_NUMBER: _ClassVar[int]
     param_sha256: str
     pid: int
-    def __init__(self, param_sha256: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+    workload: WorkloadInfo
+    def __init__(self, param_sha256: _Optional[str] = ..., pid: _Optional[int] = ..., workload: _Optional[_Union[WorkloadInfo, _Mapping]] = ...) -> None: ...
 
 class Resumed(_message.Message):
     __slots__ = ("generation", "step", "at", "rebuild_s")
@@ -147,7 +163,7 @@ class Resumed(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., at: _Optional[float] = ..., rebuild_s: _Optional[float] = ...) -> None: ...
 
 class Reduced(_message.Message):
-    __slots__ = ("generation", "step", "microbatch_ids", "sample_ids", "loss", "compute_s", "reduce_s", "overflow", "scale_epoch")
+    __slots__ = ("generation", "step", "microbatch_ids", "sample_ids", "loss", "compute_s", "reduce_s", "overflow", "scale_epoch", "tokens")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +173,7 @@ class Reduced(_message.Message):
     REDUCE_S_FIELD_NUMBER: _ClassVar[int]
     OVERFLOW_FIELD_NUMBER: _ClassVar[int]
     SCALE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     generation: int
     step: int
     microbatch_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -166,7 +183,8 @@ class Reduced(_message.Message):
     reduce_s: float
     overflow: int
     scale_epoch: int
-    def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., microbatch_ids: _Optional[_Iterable[int]] = ..., sample_ids: _Optional[_Iterable[int]] = ..., loss: _Optional[float] = ..., compute_s: _Optional[float] = ..., reduce_s: _Optional[float] = ..., overflow: _Optional[int] = ..., scale_epoch: _Optional[int] = ...) -> None: ...
+    tokens: int
+    def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., microbatch_ids: _Optional[_Iterable[int]] = ..., sample_ids: _Optional[_Iterable[int]] = ..., loss: _Optional[float] = ..., compute_s: _Optional[float] = ..., reduce_s: _Optional[float] = ..., overflow: _Optional[int] = ..., scale_epoch: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class Applied(_message.Message):
     __slots__ = ("step", "param_sha256", "commit_wait_s")
@@ -226,21 +244,43 @@ class FaultNote(_message.Message):
     killed_at: float
     def __init__(self, step: _Optional[int] = ..., phase: _Optional[str] = ..., killed_at: _Optional[float] = ...) -> None: ...
 
+class WorkerError(_message.Message):
+    __slots__ = ("where", "step", "microbatch", "message", "traceback", "deterministic")
+    WHERE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TRACEBACK_FIELD_NUMBER: _ClassVar[int]
+    DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
+    where: str
+    step: int
+    microbatch: int
+    message: str
+    traceback: str
+    deterministic: bool
+    def __init__(self, where: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ..., deterministic: _Optional[bool] = ...) -> None: ...
+
 class WorkerExited(_message.Message):
-    __slots__ = ("replica", "exit_code", "signal", "observed_at", "fault", "killed_by_agent")
+    __slots__ = ("replica", "exit_code", "signal", "observed_at", "fault", "killed_by_agent", "error", "attached", "output_tail")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     SIGNAL_FIELD_NUMBER: _ClassVar[int]
     OBSERVED_AT_FIELD_NUMBER: _ClassVar[int]
     FAULT_FIELD_NUMBER: _ClassVar[int]
     KILLED_BY_AGENT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TAIL_FIELD_NUMBER: _ClassVar[int]
     replica: int
     exit_code: int
     signal: int
     observed_at: float
     fault: FaultNote
     killed_by_agent: str
-    def __init__(self, replica: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., observed_at: _Optional[float] = ..., fault: _Optional[_Union[FaultNote, _Mapping]] = ..., killed_by_agent: _Optional[str] = ...) -> None: ...
+    error: WorkerError
+    attached: bool
+    output_tail: str
+    def __init__(self, replica: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., observed_at: _Optional[float] = ..., fault: _Optional[_Union[FaultNote, _Mapping]] = ..., killed_by_agent: _Optional[str] = ..., error: _Optional[_Union[WorkerError, _Mapping]] = ..., attached: _Optional[bool] = ..., output_tail: _Optional[str] = ...) -> None: ...
 
 class AgentMessage(_message.Message):
     __slots__ = ("register", "heartbeat", "worker_exited", "report")
@@ -413,7 +453,7 @@ class ReplicaDigest(_message.Message):
     def __init__(self, replica: _Optional[int] = ..., param_sha256: _Optional[str] = ...) -> None: ...
 
 class StepRecord(_message.Message):
-    __slots__ = ("step", "generation", "microbatches", "sample_digest", "loss", "committed_at", "param_sha256", "tokens", "compute_s", "reduce_s", "commit_wait_s")
+    __slots__ = ("step", "generation", "microbatches", "sample_digest", "loss", "committed_at", "param_sha256", "tokens", "compute_s", "reduce_s", "commit_wait_s", "sample_ids")
     STEP_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
@@ -425,6 +465,7 @@ class StepRecord(_message.Message):
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     REDUCE_S_FIELD_NUMBER: _ClassVar[int]
     COMMIT_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
     step: int
     generation: int
     microbatches: int
@@ -436,10 +477,11 @@ class StepRecord(_message.Message):
     compute_s: float
     reduce_s: float
     commit_wait_s: float
-    def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., microbatches: _Optional[int] = ..., sample_digest: _Optional[str] = ..., loss: _Optional[float] = ..., committed_at: _Optional[float] = ..., param_sha256: _Optional[_Iterable[_Union[ReplicaDigest, _Mapping]]] = ..., tokens: _Optional[int] = ..., compute_s: _Optional[float] = ..., reduce_s: _Optional[float] = ..., commit_wait_s: _Optional[float] = ...) -> None: ...
+    sample_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., microbatches: _Optional[int] = ..., sample_digest: _Optional[str] = ..., loss: _Optional[float] = ..., committed_at: _Optional[float] = ..., param_sha256: _Optional[_Iterable[_Union[ReplicaDigest, _Mapping]]] = ..., tokens: _Optional[int] = ..., compute_s: _Optional[float] = ..., reduce_s: _Optional[float] = ..., commit_wait_s: _Optional[float] = ..., sample_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FailureRecord(_message.Message):
-    __slots__ = ("step", "replica", "phase", "cause", "killed_at", "detected_at", "recovered_at", "generation")
+    __slots__ = ("step", "replica", "phase", "cause", "killed_at", "detected_at", "recovered_at", "generation", "error")
     STEP_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
@@ -448,6 +490,7 @@ class FailureRecord(_message.Message):
     DETECTED_AT_FIELD_NUMBER: _ClassVar[int]
     RECOVERED_AT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     step: int
     replica: int
     phase: str
@@ -456,7 +499,8 @@ class FailureRecord(_message.Message):
     detected_at: float
     recovered_at: float
     generation: int
-    def __init__(self, step: _Optional[int] = ..., replica: _Optional[int] = ..., phase: _Optional[str] = ..., cause: _Optional[str] = ..., killed_at: _Optional[float] = ..., detected_at: _Optional[float] = ..., recovered_at: _Optional[float] = ..., generation: _Optional[int] = ...) -> None: ...
+    error: WorkerError
+    def __init__(self, step: _Optional[int] = ..., replica: _Optional[int] = ..., phase: _Optional[str] = ..., cause: _Optional[str] = ..., killed_at: _Optional[float] = ..., detected_at: _Optional[float] = ..., recovered_at: _Optional[float] = ..., generation: _Optional[int] = ..., error: _Optional[_Union[WorkerError, _Mapping]] = ...) -> None: ...
 
 class RecoveryTiming(_message.Message):
     __slots__ = ("detect_s", "plan_s", "rebuild_s", "recompute_s", "commit_s")
@@ -477,7 +521,7 @@ class ReportRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RunReport(_message.Message):
-    __slots__ = ("job", "status", "steps", "failures", "started_at", "finished_at", "recovery_timings")
+    __slots__ = ("job", "status", "steps", "failures", "started_at", "finished_at", "recovery_timings", "workload")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -485,6 +529,7 @@ class RunReport(_message.Message):
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
     RECOVERY_TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    WORKLOAD_FIELD_NUMBER: _ClassVar[int]
     job: JobConfig
     status: JobStatus
     steps: _containers.RepeatedCompositeFieldContainer[StepRecord]
@@ -492,4 +537,5 @@ class RunReport(_message.Message):
     started_at: float
     finished_at: float
     recovery_timings: _containers.RepeatedCompositeFieldContainer[RecoveryTiming]
-    def __init__(self, job: _Optional[_Union[JobConfig, _Mapping]] = ..., status: _Optional[_Union[JobStatus, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepRecord, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[FailureRecord, _Mapping]]] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., recovery_timings: _Optional[_Iterable[_Union[RecoveryTiming, _Mapping]]] = ...) -> None: ...
+    workload: WorkloadInfo
+    def __init__(self, job: _Optional[_Union[JobConfig, _Mapping]] = ..., status: _Optional[_Union[JobStatus, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepRecord, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[FailureRecord, _Mapping]]] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., recovery_timings: _Optional[_Iterable[_Union[RecoveryTiming, _Mapping]]] = ..., workload: _Optional[_Union[WorkloadInfo, _Mapping]] = ...) -> None: ...

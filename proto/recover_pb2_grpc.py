@@ -116,6 +116,11 @@ class WorkerChannelStub:
                 request_serializer=recover_dot_proto_dot_recover__pb2.FaultNote.SerializeToString,
                 response_deserializer=recover_dot_proto_dot_recover__pb2.Ack.FromString,
                 _registered_method=True)
+        self.ReportError = channel.unary_unary(
+                '/recover.v1.WorkerChannel/ReportError',
+                request_serializer=recover_dot_proto_dot_recover__pb2.WorkerError.SerializeToString,
+                response_deserializer=recover_dot_proto_dot_recover__pb2.Ack.FromString,
+                _registered_method=True)
 
 
 class WorkerChannelServicer:
@@ -134,6 +139,13 @@ class WorkerChannelServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportError(self, request, context):
+        """The user's code failed; sent (bounded, best effort) just before the worker exits.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerChannelServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +157,11 @@ def add_WorkerChannelServicer_to_server(servicer, server):
             'NoteFault': grpc.unary_unary_rpc_method_handler(
                     servicer.NoteFault,
                     request_deserializer=recover_dot_proto_dot_recover__pb2.FaultNote.FromString,
+                    response_serializer=recover_dot_proto_dot_recover__pb2.Ack.SerializeToString,
+            ),
+            'ReportError': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportError,
+                    request_deserializer=recover_dot_proto_dot_recover__pb2.WorkerError.FromString,
                     response_serializer=recover_dot_proto_dot_recover__pb2.Ack.SerializeToString,
             ),
     }
@@ -201,6 +218,33 @@ class WorkerChannel:
             target,
             '/recover.v1.WorkerChannel/NoteFault',
             recover_dot_proto_dot_recover__pb2.FaultNote.SerializeToString,
+            recover_dot_proto_dot_recover__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportError(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/recover.v1.WorkerChannel/ReportError',
+            recover_dot_proto_dot_recover__pb2.WorkerError.SerializeToString,
             recover_dot_proto_dot_recover__pb2.Ack.FromString,
             options,
             channel_credentials,

@@ -14,7 +14,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   {
     .venv/bin/python -m pip install --upgrade pip &&
     .venv/bin/python -m pip install "torch==2.13.0" &&
-    .venv/bin/python -m pip install -e ".[test]"
+    .venv/bin/python -m pip install -e ".[test,hf]"
   } > .venv/setup.log 2>&1 || { tail -n 30 .venv/setup.log >&2; echo "setup: failed" >&2; exit 1; }
   touch "$stamp"
 fi

@@ -105,6 +105,14 @@ class AgentChannel:
         except grpc.RpcError:
             pass
 
+    def report_error(self, error: pb.WorkerError) -> None:
+        """Tell the agent why this worker is about to exit (bounded, best effort): it rides
+        on the exit report, so the controller can tell a bug from a crash."""
+        try:
+            self._stub.ReportError(error, metadata=self._metadata, timeout=2.0)
+        except grpc.RpcError:
+            pass
+
     def close(self) -> None:
         self._closing = True
         self._outgoing.put(None)

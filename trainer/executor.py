@@ -3,32 +3,34 @@
 Inside step t a worker keeps every microbatch it has already accumulated.
 When a new generation arrives mid-step (a replica died), it drops the old
 group, rebuilds, computes the microbatches the new plan adds to its share,
-and reduces again. The reduction always works on a copy of the local
+and reduces again. The reduction always works on copies of the local
 accumulation: a failed allreduce leaves a partially reduced buffer, and the
 accumulation must survive it untouched. The optimizer step happens only on
 the controller's commit, so no replica can apply a step another did not.
+
+What a microbatch *is* (data, loss, backward) and what applying a step means
+(clipping, optimizer, scheduler) belong to the workload (workload.py).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 from dataclasses import dataclass, field
-
-import torch
 
 from recover.common.progress import ProgressBeacon
 from recover.proto import pb
 from recover.trainer.channel import AgentChannel
 from recover.trainer.collectives import CollectiveAborted, GenerationGroup, GroupSpec
 from recover.trainer.commits import CommitAction, judge_commit
-from recover.trainer.data import SyntheticCorpus, microbatch_sample_ids, microbatch_seed
+from recover.trainer.digest import parameter_digest
+from recover.trainer.errors import call_user
 from recover.trainer.faults import HANG_PHASES, FaultInjector
-from recover.trainer.model import parameter_digest
-from recover.trainer.reduction import FlatGradients, Reduced, make_accumulator
+from recover.trainer.gradients import GradientBuckets
+from recover.trainer.reduction import Accumulator, Reduced
+from recover.trainer.workload import StepInfo, Workload
 
 log = logging.getLogger("recover.trainer")
 
@@ -56,6 +58,7 @@ class StepState:
     done: list[int] = field(default_factory=list)
     """Microbatches already accumulated into the parameters' .grad, in order."""
     sample_ids: list[int] = field(default_factory=list)
+    tokens: int = 0
     scale_epoch: int = 0
     """Exact reduction: the fixed-point scale the accumulation was made at."""
     reduced: Reduced | None = None
@@ -64,26 +67,24 @@ class StepState:
 
 
 class StepExecutor:
-    def __init__(self, job: pb.JobConfig, replica: int, channel: AgentChannel,
-                 model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 corpus: SyntheticCorpus, beacon: ProgressBeacon | None = None) -> None:
+    def __init__(self, job: pb.JobConfig, replica: int, channel: AgentChannel, workload: Workload,
+                 grads: GradientBuckets, accumulator: Accumulator, first_step: int = 0,
+                 beacon: ProgressBeacon | None = None) -> None:
         self.job = job
         self.replica = replica
         self.channel = channel
-        self.model = model
-        self.optimizer = optimizer
-        self.corpus = corpus
+        self.workload = workload
         self.beacon = beacon
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.grads = FlatGradients(self.params)
-        self.accumulator = make_accumulator(job.reduce, self.grads, job.global_microbatches)
-        self.faults = FaultInjector(job.faults, replica, channel.note_fault,
+        self.grads = grads
+        self.accumulator = accumulator
+        self.faults = FaultInjector(job.testing.faults, replica, channel.note_fault,
                                     beacon.mark_killed if beacon is not None else None)
         self.generation = 0
         self.members: list[int] = []
         self.group: GenerationGroup | None = None
-        self.state = StepState(step=0)
+        self.state = StepState(step=first_step)
         self.finished = False
+        self.steps_applied = 0
         self._reported_at = 0.0
         # Guards the hand-over between the receiver thread (which learns of new
         # generations first) and the main thread (which owns the group).
@@ -111,9 +112,8 @@ class StepExecutor:
 
     # ------------------------------------------------------------ main loop
 
-    def run(self) -> pb.Shutdown:
-        self.channel.send(pb.WorkerReport(ready=pb.Ready(
-            param_sha256=parameter_digest(self.model), pid=os.getpid())))
+    def run(self, ready: pb.Ready) -> pb.Shutdown:
+        self.channel.send(pb.WorkerReport(ready=ready))
         try:
             while True:
                 command = self.channel.poll() if self._has_work() else \
@@ -193,7 +193,8 @@ class StepExecutor:
         if plan.scale_epoch != s.scale_epoch:
             # The exact scale changed (an overflow redo): what was accumulated at
             # the old scale cannot be mixed with the new one; start the step over.
-            s.done, s.sample_ids, s.original, s.scale_epoch = [], [], set(), plan.scale_epoch
+            s.done, s.sample_ids, s.tokens, s.original = [], [], 0, set()
+            s.scale_epoch = plan.scale_epoch
             self.accumulator.reset(plan.scale_epoch)
         missing = [mb for mb in s.done if mb not in mine]
         if missing:
@@ -212,69 +213,67 @@ class StepExecutor:
             self.beacon.compute_finished()
 
     def _compute_microbatch(self, microbatch: int) -> None:
-        s, job = self.state, self.job
+        s, faults = self.state, self.faults
         started = time.perf_counter()
         position = len(s.done)
-        if microbatch not in s.original and self.faults.armed(s.step, "recompute"):
-            self.faults.fire(s.step, "recompute")
-        ids = microbatch_sample_ids(job.seed, s.step, microbatch, job.microbatch_size,
-                                    self.corpus.config.num_sequences)
-        inputs, targets = self.corpus.batch(ids)
-        # Dropout draws from the global RNG: seeding it per microbatch makes the
-        # gradient a function of (seed, step, microbatch) alone, whoever computes it.
-        # The CPU generator only: torch.manual_seed also seeds every accelerator
-        # backend, which cost ~0.75 ms per microbatch here (profiled).
-        torch.default_generator.manual_seed(microbatch_seed(job.seed, s.step, microbatch, "dropout"))
-        self.accumulator.before_microbatch()
-        _, loss = self.model(inputs, targets)
-        assert loss is not None
         count = len(s.original) or len(s.assigned)
-        for phase in HANG_PHASES:
-            if self.faults.armed(s.step, phase, position, count):
-                self.faults.hang(s.step, phase)
-        if delay := self.faults.slow_seconds(s.step):
-            time.sleep(delay)
-        if self.faults.armed(s.step, "forward", position, count):
-            self.faults.fire(s.step, "forward")
+        if microbatch not in s.original and faults.armed(s.step, "recompute"):
+            faults.fire(s.step, "recompute")
         hook = None
-        if self.faults.armed(s.step, "backward", position, count):
-            middle = self.params[len(self.params) // 2]
-            hook = middle.register_hook(lambda grad: self.faults.fire(s.step, "backward"))
-        loss.backward()
+
+        def before_backward() -> None:
+            # Testing-only fault points between this microbatch's forward and backward.
+            nonlocal hook
+            for phase in HANG_PHASES:
+                if faults.armed(s.step, phase, position, count):
+                    faults.hang(s.step, phase)
+            if delay := faults.slow_seconds(s.step):
+                time.sleep(delay)
+            if faults.armed(s.step, "forward", position, count):
+                faults.fire(s.step, "forward")
+            if faults.armed(s.step, "backward", position, count):
+                middle = self.workload.params[len(self.workload.params) // 2]
+                hook = middle.register_hook(lambda grad: faults.fire(s.step, "backward"))
+
+        self.accumulator.before_microbatch()
+        result = self.workload.compute(s.step, microbatch, before_backward)
         if hook is not None:
             hook.remove()
-        if self.faults.armed(s.step, "nan", position, count):
-            self.grads.flat[0] = math.nan
-        if job.compute_ms > 0:
+        self.grads.repair_views()
+        if faults.armed(s.step, "nan", position, count):
+            self.grads.buckets[0].flat[0] = math.nan
+        if self.job.testing.compute_ms > 0:
             # Emulated accelerator time (--compute-ms): a sleep, not CPU work, so each
             # slot's capacity is its own instead of a share of the machine's cores.
-            time.sleep(job.compute_ms / 1000.0)
-        self.accumulator.after_microbatch(float(loss.detach()))
+            time.sleep(self.job.testing.compute_ms / 1000.0)
+        self.accumulator.after_microbatch(result.loss)
         s.done.append(microbatch)
-        s.sample_ids.extend(ids)
+        s.sample_ids.extend(result.sample_ids)
+        s.tokens += result.tokens
         s.compute_s += time.perf_counter() - started
 
     def _reduce(self) -> None:
         s, group = self.state, self.group
         assert group is not None
         started = time.perf_counter()
-        # A copy: an interrupted allreduce leaves its buffer partially reduced,
+        # Copies: an interrupted allreduce leaves its buffer partially reduced,
         # and the local accumulation must survive for the next generation.
-        flat = self.accumulator.buffer()
+        buffers = self.accumulator.buffers()
         if self.faults.armed(s.step, "reduce"):
             self.faults.fire_soon(s.step, "reduce")
         try:
-            group.allreduce_sum_(flat)
+            for buffer in buffers:
+                group.allreduce_sum_(buffer)
         except CollectiveAborted as exc:
             log.warning("reduction of step %d aborted: %s", s.step, exc, extra=self._ctx())
             self._install_group(None)
             return
-        s.reduced = self.accumulator.finish(flat)
+        s.reduced = self.accumulator.finish(buffers)
         self.channel.send(pb.WorkerReport(reduced=pb.Reduced(
             generation=self.generation, step=s.step, microbatch_ids=s.done,
             sample_ids=s.sample_ids, loss=s.reduced.loss, compute_s=s.compute_s,
             reduce_s=time.perf_counter() - started, overflow=s.reduced.overflow,
-            scale_epoch=s.scale_epoch)))
+            scale_epoch=s.scale_epoch, tokens=s.tokens)))
         self._reported_at = time.perf_counter()
         if self.faults.armed(s.step, "commit"):
             self.faults.fire(s.step, "commit")
@@ -288,19 +287,24 @@ class StepExecutor:
             return
         if verdict.action is CommitAction.REFUSE or s.reduced is None:
             raise RuntimeError(f"commit refused: {verdict.reason}")
-        self.grads.load(s.reduced.grads)
-        self.optimizer.step()
+        lr, norm = self.workload.apply(self.grads, s.reduced.grads)
         self.accumulator.observe_committed(s.reduced.grads)
         self.accumulator.reset()
         commit_wait = time.perf_counter() - self._reported_at
         self.channel.send(pb.WorkerReport(applied=pb.Applied(
-            step=s.step, param_sha256=parameter_digest(self.model), commit_wait_s=commit_wait)))
+            step=s.step, param_sha256=parameter_digest(self.workload.model),
+            commit_wait_s=commit_wait)))
+        self.steps_applied += 1
+        info = StepInfo(step=s.step, loss=s.reduced.loss, lr=lr, grad_norm=norm,
+                        microbatches=commit.microbatches or self.job.global_microbatches,
+                        tokens=commit.tokens, generation=self.generation, replica=self.replica,
+                        is_first_replica=bool(self.members) and self.replica == min(self.members))
         self.state = StepState(step=s.step + 1)
         self.finished = commit.final
         if commit.HasField("next_plan"):
             self._adopt_plan(commit.next_plan)
+        if self.workload.on_step_committed is not None:
+            call_user("on_step_committed", self.workload.on_step_committed, info, step=info.step)
 
     def _ctx(self) -> dict[str, int]:
         return {"step": self.state.step, "generation": self.generation, "replica": self.replica}
-
-

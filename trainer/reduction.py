@@ -1,15 +1,20 @@
-"""Gradient accumulation and the buffer a step reduces: fast (float) or exact (fixed point).
+"""Gradient accumulation and the buffers a step reduces: fast (float) or exact (fixed point).
 
-Both keep every parameter's `.grad` as a view into one flat float32 buffer,
-so backward writes straight into it and a reduction needs one copy, not a
-concatenation.
+Both work on :class:`GradientBuckets` (one flat gradient buffer per device and
+dtype) and produce one buffer to allreduce per bucket; the step's statistics
+(loss sum, microbatch count, overflow count) ride at the end of the last
+buffer whenever its dtype holds them exactly, so a one-dtype model still does
+one allreduce per step.
 
-Exact reduction (DESIGN.md "Determinism"): each microbatch's float32
-gradient is turned into integer fixed point with a power-of-two scale per
-tensor — the same on every replica — and summed exactly, so the reduced sum
-does not depend on which replica computed which microbatch, on the number of
+Exact reduction (DESIGN.md "Determinism"): each microbatch's gradient is
+turned into integer fixed point with a power-of-two scale per tensor — the
+same on every replica — and summed exactly, so the reduced sum does not
+depend on which replica computed which microbatch, on the number of
 replicas, nor on the reduction order; dividing by M afterwards gives
-bitwise-identical gradients.
+bitwise-identical gradients. float32, bfloat16 and float16 gradients are
+scaled in float32 (which holds the narrower two exactly), float64 ones in
+float64; the mean is rounded back to the parameter's dtype once, the same
+way everywhere.
 
 The integers are held in float64 rather than int64: every quantized value
 is kept below 2**53 / M, so every partial sum of at most M of them is an
@@ -31,8 +36,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from recover.trainer.gradients import Bucket, GradientBuckets
 
 EXACT_BITS = 53
 """float64 holds every integer below 2**53 exactly: the reduced sum must stay below it."""
@@ -46,14 +54,16 @@ EXPONENT_RANGE = (-60, 120)
 """Bounds of a predicted per-tensor scale exponent."""
 MIN_EXPONENT = -126
 """Smallest scale exponent after redos (float32's smallest normal power of two)."""
+REDUCE_DTYPES = ("grad", "float32")
+"""Fast mode: reduce in each gradient's own dtype, or in (at least) float32."""
 
 
 @dataclass
 class Reduced:
     """A reduction's result, divided and ready to apply."""
 
-    grads: torch.Tensor
-    """Flat float32 mean gradient over the reduced microbatches."""
+    grads: list[torch.Tensor]
+    """Mean gradient over the reduced microbatches, one flat tensor per bucket, in its dtype."""
     loss: float
     """Mean loss over the reduced microbatches."""
     microbatches: int
@@ -61,31 +71,22 @@ class Reduced:
     """Microbatches whose gradient did not fit the exact scale (exact mode; then redo)."""
 
 
-class FlatGradients:
-    """Points every parameter's `.grad` into one flat float32 buffer."""
-
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
-        self.params = params
-        self.sizes = [p.numel() for p in params]
-        self.flat = torch.zeros(sum(self.sizes), dtype=torch.float32)
-        offset = 0
-        for p, n in zip(params, self.sizes, strict=True):
-            # Autograd accumulates in place into an existing .grad, so the views stay live.
-            p.grad = self.flat[offset:offset + n].view_as(p)
-            offset += n
-
-    def zero(self) -> None:
-        self.flat.zero_()
-
-    def load(self, flat: torch.Tensor) -> None:
-        self.flat.copy_(flat)
+def _holds_counts(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float32, torch.float64)
 
 
 class FastAccumulator:
-    """Float32 accumulation: backward sums microbatch gradients into `.grad` directly."""
+    """Float accumulation: backward sums microbatch gradients into `.grad` directly."""
 
-    def __init__(self, grads: FlatGradients) -> None:
+    def __init__(self, grads: GradientBuckets, reduce_dtype: str = "grad") -> None:
+        if reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(f"reduce dtype must be one of {', '.join(REDUCE_DTYPES)}, "
+                             f"got {reduce_dtype!r}")
         self.grads = grads
+        self._dtypes = [b.dtype if reduce_dtype == "grad" or b.dtype == torch.float64
+                        else torch.float32 for b in grads.buckets]
+        # The statistics ride in the last buffer when it holds small integers exactly.
+        self._separate_stats = not _holds_counts(self._dtypes[-1])
         self.loss_sum = 0.0
         self.count = 0
 
@@ -101,34 +102,73 @@ class FastAccumulator:
         self.loss_sum += loss
         self.count += 1
 
-    def buffer(self) -> torch.Tensor:
-        """A copy to reduce: an interrupted allreduce leaves its buffer partially reduced."""
-        tail = torch.tensor([self.loss_sum, float(self.count)], dtype=torch.float32)
-        return torch.cat([self.grads.flat, tail])
+    def buffers(self) -> list[torch.Tensor]:
+        """Copies to reduce: an interrupted allreduce leaves its buffer partially reduced."""
+        buckets = self.grads.buckets
+        last = len(buckets) - 1
+        out = [b.flat.to(dtype, copy=True) for b, dtype in zip(buckets[:last], self._dtypes,
+                                                                strict=False)]
+        tail_dtype = torch.float64 if self._separate_stats else self._dtypes[last]
+        tail = torch.tensor([self.loss_sum, float(self.count)], dtype=tail_dtype,
+                            device=buckets[last].device)
+        flat = buckets[last].flat.to(self._dtypes[last])  # no copy when the dtype matches
+        if self._separate_stats:
+            out += [flat.clone(), tail]
+        else:
+            out.append(torch.cat([flat, tail]))  # the one copy
+        return out
 
-    def finish(self, reduced: torch.Tensor) -> Reduced:
-        count = int(round(float(reduced[-1])))
+    def finish(self, reduced: list[torch.Tensor]) -> Reduced:
+        stats = reduced[-1][-2:]
+        loss_sum, count = float(stats[0]), int(round(float(stats[1])))
         divisor = max(count, 1)
-        return Reduced(reduced[:-2].div_(divisor), float(reduced[-2]) / divisor, count, 0)
+        means = []
+        for bucket, buffer in zip(self.grads.buckets, reduced, strict=False):
+            mean = buffer[:bucket.numel].div_(divisor)
+            means.append(mean if mean.dtype == bucket.dtype else mean.to(bucket.dtype))
+        return Reduced(means, loss_sum / divisor, count, 0)
 
-    def observe_committed(self, mean_grads: torch.Tensor) -> None:
+    def observe_committed(self, means: list[torch.Tensor]) -> None:
         pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class _ExactBucket:
+    """Per-bucket scratch of the exact accumulator, allocated once."""
+
+    def __init__(self, bucket: Bucket, stats: int) -> None:
+        self.bucket = bucket
+        self.scale_dtype = torch.float64 if bucket.dtype == torch.float64 else torch.float32
+        self.acc = torch.zeros(bucket.numel + stats, dtype=torch.float64, device=bucket.device)
+        self.sum = self.acc[:bucket.numel]
+        self.scaled = torch.empty(bucket.numel, dtype=self.scale_dtype, device=bucket.device)
+        # float64 needs no widening: it is already the accumulator's dtype.
+        self.wide = None if self.scale_dtype == torch.float64 else torch.empty_like(self.sum)
+        self.scale = torch.empty(0)
 
 
 class ExactAccumulator:
     """Fixed-point accumulation (integers held exactly in float64), power-of-two scale per tensor."""
 
-    def __init__(self, grads: FlatGradients, global_microbatches: int) -> None:
+    STATS = 3  # loss (fixed point), microbatch count, overflow count
+
+    def __init__(self, grads: GradientBuckets, global_microbatches: int) -> None:
         self.grads = grads
         self.global_microbatches = global_microbatches
         self._limit = 2.0 ** EXACT_BITS / global_microbatches
+        self._loss_limit = self._limit / 2.0 ** LOSS_SCALE_BITS  # the loss is fixed point too
+        last = len(grads.buckets) - 1
+        self._parts = [_ExactBucket(b, self.STATS if i == last else 0)
+                       for i, b in enumerate(grads.buckets)]
         # The first step has no previous gradient: assume a mean of 1.0 per tensor.
-        self._base_exponents = [self._exponent(1.0)] * len(grads.sizes)
+        self._base_exponents = [[self._exponent(1.0)] * len(b.sizes) for b in grads.buckets]
         self.scale_epoch = 0
-        self._scale = self._scale_vector()
-        self.acc = torch.zeros(grads.flat.numel(), dtype=torch.float64)
-        self._scaled = torch.empty_like(grads.flat)
-        self._wide = torch.empty_like(self.acc)
+        self._rescale()
         self.loss_acc = 0
         self.count = 0
         self.overflow = 0
@@ -138,23 +178,25 @@ class ExactAccumulator:
         exponent = math.floor(math.log2(self._limit / bound))
         return min(max(exponent, EXPONENT_RANGE[0]), EXPONENT_RANGE[1])
 
-    def _exponents_now(self) -> list[int]:
+    def _exponents_now(self, base: list[int]) -> list[int]:
         """Each tensor's scale exponent at the current epoch, clamped to float32's normal range
         (a lower scale would flush gradients to zero)."""
-        return [max(e - EPOCH_STEP_BITS * self.scale_epoch, MIN_EXPONENT) for e in self._base_exponents]
+        return [max(e - EPOCH_STEP_BITS * self.scale_epoch, MIN_EXPONENT) for e in base]
 
-    def _scale_vector(self) -> torch.Tensor:
-        # float32 is enough: multiplying by a power of two only shifts the exponent,
-        # so g * 2**e and its rounding are exact.
-        parts = [torch.full((n,), 2.0 ** e, dtype=torch.float32)
-                 for n, e in zip(self.grads.sizes, self._exponents_now(), strict=True)]
-        return torch.cat(parts)
+    def _rescale(self) -> None:
+        for part, base in zip(self._parts, self._base_exponents, strict=True):
+            # Multiplying by a power of two only shifts the exponent, so g * 2**e and
+            # its rounding are exact in the scale dtype.
+            pieces = [torch.full((n,), 2.0 ** e, dtype=part.scale_dtype)
+                      for n, e in zip(part.bucket.sizes, self._exponents_now(base), strict=True)]
+            part.scale = torch.cat(pieces).to(part.bucket.device)
 
     def reset(self, scale_epoch: int = 0) -> None:
         if scale_epoch != self.scale_epoch:
             self.scale_epoch = scale_epoch
-            self._scale = self._scale_vector()
-        self.acc.zero_()
+            self._rescale()
+        for part in self._parts:
+            part.acc.zero_()
         self.grads.zero()
         self.loss_acc = 0
         self.count = 0
@@ -165,56 +207,93 @@ class ExactAccumulator:
 
     def after_microbatch(self, loss: float) -> None:
         # Preallocated buffers: this runs once per microbatch on the whole model.
-        scaled = torch.mul(self.grads.flat, self._scale, out=self._scaled)
-        low, high = torch.aminmax(scaled)  # one pass; vector_norm(inf) was 20x slower here
-        # Written so that a NaN in either bound fails the test: NaN/inf count as overflow.
-        if not (-self._limit < float(low) and float(high) < self._limit):
-            self.overflow += 1
+        # A non-finite or huge loss (a diverged model) counts as overflow like a
+        # non-finite gradient: the step is redone, then fails saying so.
+        loss_fits = abs(loss) < self._loss_limit  # False for NaN too
+        fits = loss_fits
+        for part in self._parts if fits else ():
+            scaled = torch.mul(part.bucket.flat, part.scale, out=part.scaled)
+            low, high = torch.aminmax(scaled)  # one pass; vector_norm(inf) was 20x slower here
+            # Written so that a NaN in either bound fails the test: NaN/inf count as overflow.
+            if not (-self._limit < float(low) and float(high) < self._limit):
+                fits = False
+                break
+        if fits:
+            for part in self._parts:
+                rounded = part.scaled.round_()
+                if part.wide is None:
+                    part.sum.add_(rounded)
+                else:
+                    # Widen first: an in-place float64 += float32 takes a slow mixed-type path (5x).
+                    part.sum.add_(part.wide.copy_(rounded))
         else:
-            # Widen first: an in-place float64 += float32 takes a slow mixed-type path (5x).
-            self._wide.copy_(scaled.round_())
-            self.acc.add_(self._wide)
-        self.loss_acc += round(loss * 2.0 ** LOSS_SCALE_BITS)
+            self.overflow += 1
+        if loss_fits:
+            self.loss_acc += round(loss * 2.0 ** LOSS_SCALE_BITS)
         self.count += 1
 
-    def buffer(self) -> torch.Tensor:
-        tail = torch.tensor([self.loss_acc, self.count, self.overflow], dtype=torch.float64)
-        return torch.cat([self.acc, tail])
+    def buffers(self) -> list[torch.Tensor]:
+        last = self._parts[-1]
+        last.acc[-self.STATS:] = torch.tensor([self.loss_acc, self.count, self.overflow],
+                                              dtype=torch.float64)
+        return [part.acc.clone() for part in self._parts]
 
-    def finish(self, reduced: torch.Tensor) -> Reduced:
-        loss_acc, count, overflow = (int(v) for v in reduced[-3:])
+    def finish(self, reduced: list[torch.Tensor]) -> Reduced:
+        loss_acc, count, overflow = (int(v) for v in reduced[-1][-self.STATS:])
         divisor = max(count, 1)
-        # Any fixed function of the (bitwise-identical) integer sum keeps runs identical;
-        # this one is the cheapest measured (float64 division passes cost 4x): one
-        # conversion to float32, an exact power-of-two rescale per tensor, one division.
-        mean = reduced[:-3].float()
-        offset = 0
-        for n, e in zip(self.grads.sizes, self._exponents_now(), strict=True):
-            mean[offset:offset + n].mul_(2.0 ** -e)
-            offset += n
-        mean.div_(divisor)
-        return Reduced(mean, loss_acc / 2.0 ** LOSS_SCALE_BITS / divisor, count, overflow)
+        means = []
+        for part, buffer, base in zip(self._parts, reduced, self._base_exponents, strict=True):
+            # Any fixed function of the (bitwise-identical) integer sum keeps runs identical;
+            # this one is the cheapest measured (float64 division passes cost 4x): one
+            # conversion, an exact power-of-two rescale per tensor, one division.
+            mean = buffer[:part.bucket.numel].to(part.scale_dtype)
+            offset = 0
+            for n, e in zip(part.bucket.sizes, self._exponents_now(base), strict=True):
+                mean[offset:offset + n].mul_(2.0 ** -e)
+                offset += n
+            mean.div_(divisor)
+            means.append(mean if mean.dtype == part.bucket.dtype else mean.to(part.bucket.dtype))
+        return Reduced(means, loss_acc / 2.0 ** LOSS_SCALE_BITS / divisor, count, overflow)
 
-    def observe_committed(self, mean_grads: torch.Tensor) -> None:
+    def observe_committed(self, means: list[torch.Tensor]) -> None:
         """Predict the next step's scales from this step's (replica-independent) mean gradient."""
-        exponents = []
-        offset = 0
-        for n, previous in zip(self.grads.sizes, self._base_exponents, strict=True):
-            peak = float(mean_grads[offset:offset + n].abs().max()) if n else 0.0
-            # A non-finite peak has no meaningful scale: keep the previous prediction.
-            exponents.append(self._exponent(peak) if math.isfinite(peak) else previous)
-            offset += n
-        self._base_exponents = exponents
+        predicted = []
+        for part, mean, previous in zip(self._parts, means, self._base_exponents, strict=True):
+            exponents = []
+            offset = 0
+            for n, before in zip(part.bucket.sizes, previous, strict=True):
+                peak = float(mean[offset:offset + n].abs().max()) if n else 0.0
+                # A non-finite peak has no meaningful scale: keep the previous prediction.
+                exponents.append(self._exponent(peak) if math.isfinite(peak) else before)
+                offset += n
+            predicted.append(exponents)
+        self._base_exponents = predicted
         self.scale_epoch = 0
-        self._scale = self._scale_vector()
+        self._rescale()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The predicted scales: what a joining replica needs to reduce like the others."""
+        return {"base_exponents": [list(e) for e in self._base_exponents],
+                "scale_epoch": self.scale_epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        shape = [len(e) for e in self._base_exponents]
+        exponents = [list(map(int, e)) for e in state["base_exponents"]]
+        if [len(e) for e in exponents] != shape:
+            raise ValueError(f"exact-reduction state for buckets of {[len(e) for e in exponents]} "
+                             f"tensors, this model has {shape}")
+        self._base_exponents = exponents
+        self.scale_epoch = int(state["scale_epoch"])
+        self._rescale()
 
 
 Accumulator = FastAccumulator | ExactAccumulator
 
 
-def make_accumulator(mode: str, grads: FlatGradients, global_microbatches: int) -> Accumulator:
+def make_accumulator(mode: str, grads: GradientBuckets, global_microbatches: int,
+                     reduce_dtype: str = "grad") -> Accumulator:
     if mode == "exact":
         return ExactAccumulator(grads, global_microbatches)
     if mode in ("fast", ""):
-        return FastAccumulator(grads)
+        return FastAccumulator(grads, reduce_dtype or "grad")
     raise ValueError(f"unknown reduce mode {mode!r} (fast, exact)")

@@ -5,6 +5,11 @@
 set -euo pipefail
 source "${1:?usage: controller.sh ENV_FILE HOST_IP}"
 HOST="${2:?usage: controller.sh ENV_FILE HOST_IP}"
+# The worker command goes last, after `--` (its own flags are the script's business).
+command=()
+# shellcheck disable=SC2206  # RECOVER_WORKER_COMMAND is a list of words
+[ -n "${RECOVER_WORKER_COMMAND:-}" ] && command=(-- $RECOVER_WORKER_COMMAND)
 # shellcheck disable=SC2086  # RECOVER_JOB_ARGS is a list of arguments
 exec recover controller $RECOVER_JOB_ARGS --host "$HOST" --port "$RECOVER_CONTROLLER_PORT" \
-  --store "$RECOVER_ETCD" --metrics-port "$RECOVER_METRICS_PORT" --controller-id "$(hostname)"
+  --store "$RECOVER_ETCD" --metrics-port "$RECOVER_METRICS_PORT" --controller-id "$(hostname)" \
+  --summary-out "${RECOVER_SUMMARY_DIR:-/var/lib/recover/$(hostname)}" "${command[@]}"

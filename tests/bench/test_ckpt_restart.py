@@ -48,6 +48,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path):
     for args in (["bench", "throughput", "--schedule", str(bad), "--out", str(tmp_path)],
                  ["run", "--mode", "ckpt-restart", "--schedule", str(bad)],
                  ["run", "--mode", "ckpt-restart", "--kill", "step=1,replica=0,phase=stop"],
+                 ["run", "--mode", "ckpt-restart", "--", "python", "train.py"],
                  ["run", "--compute-ms", "-1"]):
         result = recover(*args, timeout=60)
         assert result.returncode == 2, (args, result.stderr)
@@ -68,6 +69,8 @@ def test_bench_throughput_plumbing(tmp_path):
         assert results[key] > 0
     assert set(results["runs"]) == {"reference", "recover", "ckpt-restart"}
     assert all(run["steps"] == 8 for run in results["runs"].values())
+    # Same job everywhere: failures change only the float summation order.
+    assert max(results["max_abs_loss_diff_vs_reference"].values()) < 1e-4
     assert (out / "tokens_over_time.png").stat().st_size > 0
     assert (out / "loss_per_step.png").stat().st_size > 0
     assert "ckpt-restart" in result.stderr  # the progress display
@@ -77,3 +80,16 @@ def test_bench_throughput_plumbing(tmp_path):
     simulated = json.loads((tmp_path / "sim" / "results.json").read_text())
     assert set(simulated["calibration"]["relative_error"]) == {"recover", "ckpt-restart"}
     assert len(simulated["projections"]) == 3
+
+
+@pytest.mark.timeout(120)
+def test_baseline_trains_the_same_job_as_recover(tmp_path):
+    """No failure, one split of M: the baseline's losses are ReCoVer's, bit for bit."""
+    runs = {}
+    for mode in ("recover", "ckpt-restart"):
+        done = recover("run", "--mode", mode, *TINY, "--compute-ms", "0",
+                       "--out", str(tmp_path / mode))
+        assert done.returncode == 0, done.stderr
+        runs[mode] = json.loads((tmp_path / mode / "summary.json").read_text())
+    assert runs["ckpt-restart"]["loss_per_step"] == runs["recover"]["loss_per_step"]
+    assert runs["ckpt-restart"]["tokens"] == runs["recover"]["tokens"] == 8 * 4 * 2 * 16

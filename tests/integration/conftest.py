@@ -12,6 +12,10 @@ from typing import Any
 
 import pytest
 
+from recover.cli.verify import compare
+
+REPO = Path(__file__).resolve().parents[2]
+
 # Small enough for 2 cores, big enough that every replica holds several microbatches.
 BASE_ARGS = ["--replicas", "4", "--steps", "6", "-M", "12", "-B", "4", "--seed", "7", "--quiet"]
 
@@ -34,7 +38,7 @@ def recover_cmd(*args: str) -> list[str]:
 
 def run_recover(out: Path, *args: str, timeout: float = 120) -> RunResult:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.run(recover_cmd("run", *args, "--out", str(out)), capture_output=True,
+    proc = subprocess.run(recover_cmd("run", "--out", str(out), *args), capture_output=True,
                           text=True, timeout=timeout, env=env)
     return RunResult(proc.returncode, proc.stdout, proc.stderr, out)
 
@@ -61,3 +65,13 @@ def assert_same_training(summary: dict[str, Any], reference: dict[str, Any]) -> 
     for step, by_replica in enumerate(summary["param_sha256_by_replica_per_step"]):
         assert len(set(by_replica.values())) == 1, f"replicas diverged after step {step}"
     assert all(summary["param_sha256_per_step"])
+
+
+def assert_bitwise_identical(summary: dict[str, Any], reference: dict[str, Any]) -> None:
+    """Exact mode's guarantee: same ledger, same loss, same parameters after every step."""
+    verdict = compare(reference, summary)
+    assert verdict.identical, verdict.message
+    assert summary["param_sha256"] == reference["param_sha256"]
+    # Every live replica agreed after every step (no split-brain apply).
+    for by_replica in summary["param_sha256_by_replica_per_step"]:
+        assert len(set(by_replica.values())) == 1

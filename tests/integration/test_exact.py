@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from recover.cli.verify import compare
-from tests.integration.conftest import run_recover
+from tests.integration.conftest import assert_bitwise_identical, run_recover
 
 pytestmark = pytest.mark.slow
 
@@ -29,15 +29,6 @@ def exact_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     summary = exact_run(tmp_path_factory.mktemp("exact-reference"), 4)
     assert summary["failures"] == []
     return summary
-
-
-def assert_bitwise_identical(summary: dict[str, Any], reference: dict[str, Any]) -> None:
-    verdict = compare(reference, summary)
-    assert verdict.identical, verdict.message
-    assert summary["param_sha256"] == reference["param_sha256"]
-    # Every live replica agreed after every step (no split-brain apply).
-    for by_replica in summary["param_sha256_by_replica_per_step"]:
-        assert len(set(by_replica.values())) == 1
 
 
 @pytest.mark.parametrize("kills", [

@@ -73,6 +73,7 @@ def test_a_commit_sent_again_after_it_was_applied_is_ignored(tmp_path: Path) -> 
     parser = argparse.ArgumentParser()
     add_job_arguments(parser)
     job = job_from_args(parser.parse_args(["--replicas", "1", "--steps", "2", "-M", "2", "-B", "2"]))
+    job.workload.command[0] = sys.executable  # what an agent does with a leading `python`
 
     async def scenario() -> None:
         rendezvous = RendezvousServer()
@@ -84,7 +85,7 @@ def test_a_commit_sent_again_after_it_was_applied_is_ignored(tmp_path: Path) -> 
         await server.start()
         env = {**os.environ, "RECOVER_REPLICA_ID": "0", "RECOVER_AGENT_ADDR": f"unix:{socket_path}"}
         env.pop("RECOVER_AGENT_PID", None)
-        worker = subprocess.Popen([sys.executable, "-m", "recover.trainer.worker"], env=env,
+        worker = subprocess.Popen(list(job.workload.command), env=env,
                                   stderr=subprocess.PIPE)
         agent.worker = worker
         try:
@@ -105,7 +106,7 @@ def test_a_commit_sent_again_after_it_was_applied_is_ignored(tmp_path: Path) -> 
                                                                        final=True)))
             second = await agent.next_report("applied")
             assert (first.applied.step, second.applied.step) == (0, 1)  # each step applied once
-            await agent.commands.put(pb.WorkerCommand(shutdown=pb.Shutdown(reason="done")))
+            await agent.commands.put(pb.WorkerCommand(shutdown=pb.Shutdown(reason="done", success=True)))
             code = await asyncio.to_thread(worker.wait, 30)
             stderr = worker.stderr.read().decode() if worker.stderr else ""
             assert code == 0, stderr

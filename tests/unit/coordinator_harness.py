@@ -21,9 +21,8 @@ RENDEZVOUS = "127.0.0.1:29999"
 
 def make_job(replicas: int = 2, steps: int = 2, m: int = 4) -> pb.JobConfig:
     return pb.JobConfig(
-        job_id=JOB_ID, replicas=replicas, steps=steps, global_microbatches=m,
-        microbatch_size=2, seed=0, reduce="fast", learning_rate=1e-3,
-        model=pb.ModelConfig(vocab_size=16, seq_len=8, n_layer=1, n_head=1, n_embd=8))
+        job_id=JOB_ID, replicas=replicas, steps=steps, global_microbatches=m, seed=0,
+        reduce="fast", workload=pb.WorkloadSpec(command=["python", "train.py"]))
 
 
 def run_now(coro: Coroutine[Any, Any, Any]) -> Any:
@@ -89,7 +88,7 @@ class Harness:
             generation=c.generation if generation is None else generation,
             step=c.step if step is None else step,
             microbatch_ids=ids, sample_ids=[1000 * mb + k for mb in ids for k in range(2)],
-            loss=loss, compute_s=0.1 + replica, reduce_s=0.01)
+            loss=loss, compute_s=0.1 + replica, reduce_s=0.01, tokens=16 * len(ids))
 
     async def reduce(self, replicas: list[int] | None = None) -> None:
         for replica in self.coord.members if replicas is None else replicas:

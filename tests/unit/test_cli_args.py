@@ -232,9 +232,9 @@ def test_round_trip_keeps_faults_in_order():
     job = parse_job(["-R", "2", "-T", "9", "--job-id", "j",
                      "--kill", "step=8,replica=1,phase=commit",
                      "--kill", "step=2,replica=0,phase=rebuild"])
-    assert [(f.step, f.replica, f.phase) for f in job.faults] == [(8, 1, "commit"),
+    assert [(f.step, f.replica, f.phase) for f in job.testing.faults] == [(8, 1, "commit"),
                                                                   (2, 0, "rebuild")]
-    assert parse_job(job_to_args(job)).faults == job.faults
+    assert parse_job(job_to_args(job)).testing.faults == job.testing.faults
 
 
 def test_default_job_id_is_random():
@@ -293,7 +293,7 @@ def test_hang_and_slow_phases_parse_and_round_trip(text, expected, canonical):
 def test_new_phases_round_trip_through_job_to_args(phase):
     job = parse_job(["-R", "2", "-T", "3", "--job-id", "j",
                      "--kill", f"step=1,replica=1,phase={phase},microbatch=0"])
-    assert [f.phase for f in job.faults] == [phase]
+    assert [f.phase for f in job.testing.faults] == [phase]
     assert parse_job(job_to_args(job)) == job
 
 

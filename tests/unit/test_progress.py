@@ -17,7 +17,9 @@ FACTOR = 10.0
 
 
 def snap(beat_at: float, computing: bool = False, started: float = 0.0, typical: float = 0.0,
-         microbatches: int = 0) -> ProgressSnapshot:
+         microbatches: int | None = None) -> ProgressSnapshot:
+    if microbatches is None:  # a typical time exists once a microbatch finished
+        microbatches = 1 if typical > 0 else 0
     return ProgressSnapshot(beat_at, computing, started, typical, microbatches)
 
 
@@ -47,9 +49,12 @@ JUDGE_ROWS = [
     pytest.param(snap(99.95, computing=True, started=89.5, typical=1.0), True,
                  "bound 10.0s = max(2.0s, 10 x typical 1000ms)", id="beyond-factor-times-typical"),
     pytest.param(snap(99.95, computing=True, started=99.0, typical=0.0), False,
-                 "computing for 1.00s of 2.0s", id="first-microbatch-no-typical-yet"),
-    pytest.param(snap(99.95, computing=True, started=97.0, typical=0.0), True,
-                 "bound 2.0s", id="first-microbatch-beyond-timeout"),
+                 "first microbatch for 1.00s of 120s", id="first-microbatch-no-typical-yet"),
+    pytest.param(snap(99.95, computing=True, started=90.0, typical=0.0), False,
+                 "first microbatch for 10.00s of 120s", id="first-microbatch-warms-up-slowly"),
+    pytest.param(snap(99.95, computing=True, started=-30.0, typical=0.0), True,
+                 "its first microbatch has run for 130.0s (bound 120s)",
+                 id="first-microbatch-beyond-its-grace"),
 ]
 
 
@@ -112,7 +117,7 @@ def test_beacon_beats_marks_compute_and_stops(tmp_path):
         during = progress.read(path)
         assert during.computing
         assert before <= during.compute_started_at <= time.monotonic()
-        assert "computing for" in judge(during, time.monotonic(), TIMEOUT, FACTOR).reason
+        assert "first microbatch for" in judge(during, time.monotonic(), TIMEOUT, FACTOR).reason
         time.sleep(0.03)
         beacon.compute_finished()
         after = progress.read(path)

@@ -1,7 +1,9 @@
-"""Gradient accumulation (trainer/reduction.py): flat `.grad` views and exact reduction.
+"""Gradient accumulation (trainer/reduction.py, trainer/gradients.py): `.grad` views into
+per-dtype buckets, fast and exact reduction.
 
-No processes: an allreduce SUM is emulated by summing the accumulators' `buffer()`s,
-and a microbatch's backward by adding its gradient into `grads.flat`.
+No processes: an allreduce SUM is emulated by summing the accumulators' `buffers()`,
+and a microbatch's backward by adding its gradient into the bucket's flat buffer.
+Most tests use one float32 bucket; the mixed-dtype tests at the end use several.
 """
 
 from __future__ import annotations
@@ -12,10 +14,10 @@ import random
 import pytest
 import torch
 
+from recover.trainer.gradients import GradientBuckets as FlatGradients
 from recover.trainer.reduction import (
     ExactAccumulator,
     FastAccumulator,
-    FlatGradients,
     make_accumulator,
 )
 
@@ -64,17 +66,23 @@ def run_partition(kind: str, partition: list[list[int]], grads_per_mb, observed=
         flat = FlatGradients(params)
         accumulator = make_accumulator(kind, flat, M)
         if observed is not None:
-            accumulator.observe_committed(observed)
+            accumulator.observe_committed([observed])
         accumulator.reset(scale_epoch=scale_epoch)
         for mb in replica_ids:
             accumulator.before_microbatch()
-            flat.flat.add_(grads_per_mb[mb])  # what backward does: accumulate into .grad
+            flat.buckets[0].flat.add_(grads_per_mb[mb])  # what backward does: accumulate into .grad
             accumulator.after_microbatch(LOSSES[mb])
-        buffers.append(accumulator.buffer())
-    total = buffers[0].clone()
-    for b in buffers[1:]:
-        total += b  # allreduce SUM, in replica order
-    return accumulator.finish(total)
+        buffers.append(accumulator.buffers())
+    return accumulator.finish(allreduce(buffers))
+
+
+def allreduce(buffers: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """What a SUM allreduce leaves on every replica, summed in replica order."""
+    total = [b.clone() for b in buffers[0]]
+    for replica in buffers[1:]:
+        for t, b in zip(total, replica, strict=True):
+            t += b
+    return total
 
 
 def contiguous(r: int) -> list[list[int]]:
@@ -107,18 +115,18 @@ def partitions() -> list[list[list[int]]]:
 def test_grads_are_views_into_flat():
     params = make_params()
     flat = FlatGradients(params)
-    assert flat.flat.numel() == sum(SIZES)
+    assert flat.buckets[0].flat.numel() == sum(SIZES)
     for p in params:
         assert p.grad is not None and p.grad.shape == p.shape
-        assert p.grad.untyped_storage().data_ptr() == flat.flat.untyped_storage().data_ptr()
-    flat.flat.copy_(torch.arange(sum(SIZES), dtype=torch.float32))
+        assert p.grad.untyped_storage().data_ptr() == flat.buckets[0].flat.untyped_storage().data_ptr()
+    flat.buckets[0].flat.copy_(torch.arange(sum(SIZES), dtype=torch.float32))
     offset = 0
     for p, n in zip(params, SIZES, strict=True):
         assert torch.equal(p.grad.reshape(-1), torch.arange(offset, offset + n, dtype=torch.float32))
         offset += n
     flat.zero()
     assert all(float(p.grad.abs().sum()) == 0.0 for p in params)
-    flat.load(torch.full((sum(SIZES),), 3.0))
+    flat.load([torch.full((sum(SIZES),), 3.0)])
     assert all(bool((p.grad == 3.0).all()) for p in params)
 
 
@@ -137,10 +145,10 @@ def test_backward_accumulates_in_place_into_the_views():
         assert p.grad.data_ptr() == view.data_ptr()
         assert bool((p.grad == 3.0 * (i + 1)).all())
     expected = torch.cat([torch.full((n,), 3.0 * (i + 1)) for i, n in enumerate(SIZES)])
-    assert torch.equal(flat.flat, expected)
+    assert torch.equal(flat.buckets[0].flat, expected)
     flat.zero()
     loss_fn(0.5).backward()
-    assert torch.equal(flat.flat, expected / 6)
+    assert torch.equal(flat.buckets[0].flat, expected / 6)
 
 
 # ---------------------------------------------------------------- partition independence
@@ -150,12 +158,12 @@ def test_exact_is_bitwise_identical_across_partitions(magnitudes):
     grads = make_microbatch_grads(magnitudes)
     reference = run_partition("exact", [list(range(M))], grads)
     assert reference.overflow == 0 and reference.microbatches == M
-    ref_bytes = reference.grads.numpy().tobytes()
+    ref_bytes = reference.grads[0].numpy().tobytes()
     for partition in partitions():
         got = run_partition("exact", partition, grads)
         assert got.overflow == 0 and got.microbatches == M
-        assert torch.equal(got.grads, reference.grads), partition
-        assert got.grads.numpy().tobytes() == ref_bytes, partition
+        assert torch.equal(got.grads[0], reference.grads[0]), partition
+        assert got.grads[0].numpy().tobytes() == ref_bytes, partition
         assert got.loss == reference.loss, partition
 
 
@@ -166,7 +174,7 @@ def test_exact_is_bitwise_identical_across_partitions_after_observe_committed():
     assert reference.overflow == 0
     for partition in partitions():
         got = run_partition("exact", partition, grads, observed=observed)
-        assert got.grads.numpy().tobytes() == reference.grads.numpy().tobytes(), partition
+        assert got.grads[0].numpy().tobytes() == reference.grads[0].numpy().tobytes(), partition
         assert got.loss == reference.loss
 
 
@@ -175,7 +183,7 @@ def test_fast_is_not_bitwise_identical_across_partitions():
     grads = make_microbatch_grads((1e-6, 1e-3, 1.0, 1e2, 3e-2))
     reference = run_partition("fast", [list(range(M))], grads)
     differing = [p for p in partitions()
-                 if not torch.equal(run_partition("fast", p, grads).grads, reference.grads)]
+                 if not torch.equal(run_partition("fast", p, grads).grads[0], reference.grads[0])]
     assert differing, "float32 sums happened to agree for every partition: pick other data"
 
 
@@ -190,7 +198,7 @@ def errors(grads_per_mb, observed=None, lo: int = 0, hi: int | None = None) -> t
     fp32 = fp32 / M
     exact = run_partition("exact", contiguous(3), grads_per_mb, observed=observed)
     assert exact.overflow == 0
-    exact_err = float((exact.grads.double() - ref)[lo:hi].abs().max())
+    exact_err = float((exact.grads[0].double() - ref)[lo:hi].abs().max())
     fp32_err = float((fp32.double() - ref)[lo:hi].abs().max())
     return exact_err, fp32_err
 
@@ -225,7 +233,7 @@ def test_exact_loss_is_the_mean_loss():
 def one_replica(acc: ExactAccumulator, flat: FlatGradients, gradient: torch.Tensor, times: int = 1):
     for _ in range(times):
         acc.before_microbatch()
-        flat.flat.add_(gradient)
+        flat.buckets[0].flat.add_(gradient)
         acc.after_microbatch(1.0)
 
 
@@ -233,33 +241,33 @@ def test_overflow_then_scale_epoch_fits_and_stays_exact():
     params = make_params()
     flat = FlatGradients(params)
     acc = ExactAccumulator(flat, M)
-    acc.observe_committed(torch.full((sum(SIZES),), 1e-6))
+    acc.observe_committed([torch.full((sum(SIZES),), 1e-6)])
     acc.reset(scale_epoch=0)
     big = torch.full((sum(SIZES),), 1e3)
     big[::2] = -777.125
     # Two replicas of 6 microbatches each: one overflowing microbatch anywhere counts.
     first = FlatGradients(make_params())
     first_acc = ExactAccumulator(first, M)
-    first_acc.observe_committed(torch.full((sum(SIZES),), 1e-6))
+    first_acc.observe_committed([torch.full((sum(SIZES),), 1e-6)])
     one_replica(first_acc, first, torch.full((sum(SIZES),), 1e-6), times=6)
     one_replica(acc, flat, torch.full((sum(SIZES),), 1e-6), times=5)
     one_replica(acc, flat, big)
-    result = acc.finish(first_acc.buffer() + acc.buffer())
+    result = acc.finish(allreduce([first_acc.buffers(), acc.buffers()]))
     assert result.overflow == 1
     assert result.microbatches == M
 
     for epoch in range(1, 6):
         acc.reset(scale_epoch=epoch)
         one_replica(acc, flat, big, times=M)
-        result = acc.finish(acc.buffer())
+        result = acc.finish(acc.buffers())
         if result.overflow == 0:
             break
     else:
         pytest.fail("no scale epoch made a 1e3 gradient fit")
     assert epoch >= 1
-    step = 1.0 / float(acc._scale.max())  # quantization step at this epoch
+    step = 1.0 / float(acc._parts[0].scale.max())  # quantization step at this epoch
     expected = big.double()
-    worst = float((result.grads.double() - expected).abs().max())
+    worst = float((result.grads[0].double() - expected).abs().max())
     fp32_half_ulp = 2.0 ** (math.floor(math.log2(1e3)) - 24)  # the mean is returned as float32
     assert worst <= step + fp32_half_ulp, (worst, step)
 
@@ -268,19 +276,19 @@ def test_reset_with_same_epoch_keeps_the_scale_and_other_epochs_lower_it():
     flat = FlatGradients(make_params())
     acc = ExactAccumulator(flat, M)
     acc.reset(scale_epoch=0)
-    base = acc._scale.clone()
+    base = acc._parts[0].scale.clone()
     acc.reset(scale_epoch=2)
-    two = acc._scale.clone()
+    two = acc._parts[0].scale.clone()
     assert torch.equal(two, base * 2.0 ** -32)
     acc.reset(scale_epoch=2)
-    assert torch.equal(acc._scale, two)
+    assert torch.equal(acc._parts[0].scale, two)
     acc.reset(scale_epoch=0)
-    assert torch.equal(acc._scale, base)
+    assert torch.equal(acc._parts[0].scale, base)
     # observe_committed starts a fresh epoch 0.
     acc.reset(scale_epoch=3)
-    acc.observe_committed(torch.ones(sum(SIZES)))
+    acc.observe_committed([torch.ones(sum(SIZES))])
     assert acc.scale_epoch == 0
-    assert torch.equal(acc._scale, base)
+    assert torch.equal(acc._parts[0].scale, base)
 
 
 def test_nan_or_inf_gradient_counts_as_overflow():
@@ -291,34 +299,34 @@ def test_nan_or_inf_gradient_counts_as_overflow():
         g = torch.zeros(sum(SIZES))
         g[3] = bad
         one_replica(acc, flat, g)
-        assert acc.finish(acc.buffer()).overflow == 1, bad
+        assert acc.finish(acc.buffers()).overflow == 1, bad
     # NaN in only the max (or only the min) bound must not slip through either.
     for g in (torch.tensor([1.0, math.nan]), torch.tensor([math.nan, -1.0])):
         acc.reset()
         full = torch.zeros(sum(SIZES))
         full[:2] = g
         one_replica(acc, flat, full)
-        assert acc.finish(acc.buffer()).overflow == 1, g
+        assert acc.finish(acc.buffers()).overflow == 1, g
 
 
 def test_high_scale_epochs_clamp_instead_of_flushing_to_zero():
     flat = FlatGradients(make_params())
     acc = ExactAccumulator(flat, M)
     acc.reset(scale_epoch=40)  # 2**-640 would be 0.0 in float32
-    assert bool((acc._scale > 0).all())
-    assert float(acc._scale.min()) == 2.0 ** -126
+    assert bool((acc._parts[0].scale > 0).all())
+    assert float(acc._parts[0].scale.min()) == 2.0 ** -126
 
 
 def test_observe_committed_keeps_the_previous_scale_for_non_finite_tensors():
     flat = FlatGradients(make_params())
     acc = ExactAccumulator(flat, M)
-    acc.observe_committed(torch.full((sum(SIZES),), 1e-3))
-    before = acc._scale.clone()
+    acc.observe_committed([torch.full((sum(SIZES),), 1e-3)])
+    before = acc._parts[0].scale.clone()
     mean = torch.full((sum(SIZES),), 1e-3)
     mean[0] = math.nan
     mean[SIZES[0] + 1] = math.inf
-    acc.observe_committed(mean)  # must not raise
-    assert torch.equal(acc._scale, before)
+    acc.observe_committed([mean])  # must not raise
+    assert torch.equal(acc._parts[0].scale, before)
 
 
 def test_observe_committed_predicts_per_tensor_exponents():
@@ -326,11 +334,11 @@ def test_observe_committed_predicts_per_tensor_exponents():
     acc = ExactAccumulator(flat, M)
     mean = torch.cat([torch.full((n,), 1e-3 * (1000.0 if i == 2 else 1.0))
                       for i, n in enumerate(SIZES)])
-    acc.observe_committed(mean)
+    acc.observe_committed([mean])
     offsets = [sum(SIZES[:i]) for i in range(len(SIZES))]
-    scales = [float(acc._scale[o]) for o in offsets]
+    scales = [float(acc._parts[0].scale[o]) for o in offsets]
     for o, n, s in zip(offsets, SIZES, scales, strict=True):
-        assert bool((acc._scale[o:o + n] == s).all())  # one scale per tensor
+        assert bool((acc._parts[0].scale[o:o + n] == s).all())  # one scale per tensor
         assert math.log2(s) == int(math.log2(s))  # a power of two
     small, large = scales[0], scales[2]
     assert all(s == small for i, s in enumerate(scales) if i != 2)

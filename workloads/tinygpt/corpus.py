@@ -1,23 +1,20 @@
-"""Deterministic synthetic corpus and per-microbatch sample selection.
+"""The reference GPT's data: a synthetic language, generated on demand, deterministically.
 
-The trajectory guarantee (DESIGN.md, "Determinism") needs microbatch ``i`` of
-step ``t`` to be a pure function of ``(seed, t, i)`` so that any replica can
-recompute any microbatch after a failure. Everything here is therefore derived
-from stable hashes and private generators: no files, no global RNG, no
-Python ``hash()`` (which is salted per process).
+Sequence ``s`` is a pure function of ``(corpus_seed, s)`` (private generators,
+stable hashes, no files), so every replica reads the same corpus, and the
+corpus is a map-style dataset that ``recover.trainer.DatasetMicrobatches``
+walks epoch by epoch like any other.
 """
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from bisect import bisect_right
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-_MASK63 = (1 << 63) - 1
+from recover.trainer import stable_seed
 
 
 @dataclass(frozen=True)
@@ -36,49 +33,6 @@ class CorpusConfig:
     branching: int = 4
     """Likely successors per token; small values give a low loss floor, so
     learning is visible within a few dozen steps."""
-
-
-def _stable_seed(*parts: int | str) -> int:
-    # repr() of ints never contains the separator, and the (single) string
-    # part always comes last, so the encoding is unambiguous.
-    key = "\x1f".join(repr(p) for p in parts).encode("utf-8")
-    digest = hashlib.blake2b(key, digest_size=8).digest()
-    return int.from_bytes(digest, "little") & _MASK63
-
-
-def microbatch_seed(seed: int, step: int, microbatch: int, purpose: str) -> int:
-    """63-bit seed for one (step, microbatch) and one use ("samples", "dropout").
-
-    Separate purposes get unrelated streams, so adding a new random consumer
-    never shifts the samples of existing ones.
-    """
-    return _stable_seed(seed, step, microbatch, purpose)
-
-
-def microbatch_sample_ids(
-    seed: int, step: int, microbatch: int, microbatch_size: int, num_sequences: int
-) -> list[int]:
-    """Sample ids of one microbatch; pure function of its arguments.
-
-    Sampling is with replacement from the virtual corpus: it keeps every
-    microbatch independent of all others, which is what lets a survivor
-    recompute a lost microbatch without knowing the rest of the plan.
-    """
-    if microbatch_size < 0:
-        raise ValueError(f"microbatch_size must be >= 0, got {microbatch_size}")
-    if num_sequences <= 0:
-        raise ValueError(f"num_sequences must be > 0, got {num_sequences}")
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(microbatch_seed(seed, step, microbatch, "samples"))
-    ids = torch.randint(0, num_sequences, (microbatch_size,), generator=gen, dtype=torch.int64)
-    return ids.tolist()
-
-
-def sample_digest(sample_ids: Iterable[int]) -> str:
-    """Hex sha256 of the sorted ids: the ledger entry proving which samples a
-    step consumed, independent of how microbatches were spread over replicas."""
-    ids = sorted(sample_ids)
-    return hashlib.sha256(struct.pack(f"<{len(ids)}q", *ids)).hexdigest()
 
 
 class SyntheticCorpus:
@@ -100,7 +54,7 @@ class SyntheticCorpus:
         self.config = config
         v, k = config.vocab_size, config.branching
         gen = torch.Generator(device="cpu")
-        gen.manual_seed(_stable_seed(config.corpus_seed, "transitions"))
+        gen.manual_seed(stable_seed(config.corpus_seed, "transitions"))
         succ = torch.stack([torch.randperm(v, generator=gen)[:k] for _ in range(v)])
         # Gaussian logits with a wide spread make each row skewed (one or two
         # dominant successors), keeping the entropy well below ln(branching).
@@ -132,7 +86,7 @@ class SyntheticCorpus:
                 raise IndexError(f"sample id {sid} outside [0, {n})")
             # One private stream per sequence makes a sequence independent of
             # which batch it is generated in.
-            gen.manual_seed(_stable_seed(self.config.corpus_seed, sid, "sequence"))
+            gen.manual_seed(stable_seed(self.config.corpus_seed, sid, "sequence"))
             torch.rand(self.config.seq_len + 1, generator=gen, dtype=torch.float64, out=out[row])
         return out
 
@@ -161,6 +115,17 @@ class SyntheticCorpus:
     def sequence(self, sample_id: int) -> torch.Tensor:
         """int64 [seq_len + 1] tokens of one sample."""
         return self.sequences([sample_id])[0]
+
+    def __len__(self) -> int:
+        return self.config.num_sequences
+
+    def __getitem__(self, sample_id: int) -> torch.Tensor:
+        return self.sequence(sample_id)
+
+    def __getitems__(self, sample_ids: Sequence[int]) -> list[torch.Tensor]:
+        """A microbatch's sequences in one walk (torch's batched-fetch protocol): half the
+        cost of fetching them one by one (measured)."""
+        return list(self.sequences(sample_ids).unbind(0))
 
     def batch(self, sample_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), each int64 [B, seq_len]; targets are inputs shifted by one."""

@@ -1,4 +1,4 @@
-"""Determinism and correctness of the synthetic corpus and microbatch selection."""
+"""The reference GPT's synthetic corpus: deterministic, learnable, a map-style dataset."""
 
 from __future__ import annotations
 
@@ -10,13 +10,7 @@ import sys
 import pytest
 import torch
 
-from recover.trainer.data import (
-    CorpusConfig,
-    SyntheticCorpus,
-    microbatch_sample_ids,
-    microbatch_seed,
-    sample_digest,
-)
+from recover.workloads.tinygpt.corpus import CorpusConfig, SyntheticCorpus
 
 torch.set_num_threads(1)
 
@@ -28,62 +22,24 @@ def corpus() -> SyntheticCorpus:
     return SyntheticCorpus(CorpusConfig())
 
 
-def test_microbatch_ids_repeatable_and_in_range() -> None:
-    a = microbatch_sample_ids(7, 3, 2, 64, N)
-    b = microbatch_sample_ids(7, 3, 2, 64, N)
-    assert a == b
-    assert len(a) == 64
-    assert all(isinstance(i, int) and 0 <= i < N for i in a)
-    small = microbatch_sample_ids(7, 3, 2, 500, 10)
-    assert all(0 <= i < 10 for i in small)
-    assert set(small) == set(range(10))
-
-
-def test_microbatch_ids_differ_by_any_coordinate() -> None:
-    base = microbatch_sample_ids(7, 3, 2, 16, N)
-    assert microbatch_sample_ids(7, 3, 3, 16, N) != base
-    assert microbatch_sample_ids(7, 4, 2, 16, N) != base
-    assert microbatch_sample_ids(8, 3, 2, 16, N) != base
-
-
-def test_microbatch_seed_properties() -> None:
-    s = microbatch_seed(1, 2, 3, "samples")
-    assert s == microbatch_seed(1, 2, 3, "samples")
-    assert 0 <= s < 2**63
-    assert s != microbatch_seed(1, 2, 3, "dropout")
-    # Would collide under a naive concatenation such as f"{step}{microbatch}".
-    assert microbatch_seed(1, 12, 3, "x") != microbatch_seed(1, 1, 23, "x")
-
-
-def test_same_ids_in_fresh_process(corpus: SyntheticCorpus) -> None:
+def test_same_sequence_in_fresh_process(corpus: SyntheticCorpus) -> None:
     # A fresh interpreter has a different hash() salt and RNG state: equality
     # here shows nothing depends on either.
     code = (
-        "import json, torch;"
-        "from recover.trainer.data import *;"
-        "c = SyntheticCorpus(CorpusConfig());"
-        "ids = microbatch_sample_ids(7, 3, 2, 16, 1_000_000);"
-        "print(json.dumps({'ids': ids, 'seed': microbatch_seed(7, 3, 2, 'dropout'),"
-        " 'seq': c.sequence(ids[0]).tolist()}))"
+        "import json;"
+        "from recover.workloads.tinygpt.corpus import CorpusConfig, SyntheticCorpus;"
+        "print(json.dumps(SyntheticCorpus(CorpusConfig())[4242].tolist()))"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
-    )
-    got = json.loads(out.stdout)
-    ids = microbatch_sample_ids(7, 3, 2, 16, N)
-    assert got["ids"] == ids
-    assert got["seed"] == microbatch_seed(7, 3, 2, "dropout")
-    assert got["seq"] == corpus.sequence(ids[0]).tolist()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60)
+    assert json.loads(out.stdout) == corpus[4242].tolist()
 
 
-def test_sample_digest_order_independent_and_sensitive() -> None:
-    ids = [5, 1, 999_999, 42]
-    d = sample_digest(ids)
-    assert d == sample_digest(reversed(ids))
-    assert d == sample_digest(iter(sorted(ids)))
-    assert d != sample_digest([5, 1, 999_999, 43])
-    assert d != sample_digest(ids + [0])
-    assert len(d) == 64 and int(d, 16) >= 0
+def test_is_a_map_style_dataset(corpus: SyntheticCorpus) -> None:
+    assert len(corpus) == N
+    assert torch.equal(corpus[7], corpus.sequence(7))
+    with pytest.raises(IndexError):
+        corpus[N]
 
 
 def test_sequences_deterministic_and_shaped(corpus: SyntheticCorpus) -> None:
@@ -128,7 +84,8 @@ def test_global_rng_untouched(corpus: SyntheticCorpus) -> None:
     torch.manual_seed(0)
     before = torch.get_rng_state()
     SyntheticCorpus(CorpusConfig(corpus_seed=5))
-    corpus.batch(microbatch_sample_ids(1, 2, 3, 8, N))
+    corpus.batch([1, 99, 12345])
+    corpus[5]
     corpus.entropy_rate()
     assert torch.equal(before, torch.get_rng_state())
 

@@ -1,10 +1,18 @@
-"""Turn the controller's run report into `summary.json` and a short text summary."""
+"""Turn the controller's run report into `summary.json` and a short text summary.
+
+`recover run` writes it at the end of a local job; a controller started by
+hand writes it with `--summary-out DIR`, and `recover summary` fetches it
+from a running or finished controller.
+"""
 
 from __future__ import annotations
 
 import itertools
+import json
+import os
 import statistics
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 from recover.proto import pb
@@ -24,7 +32,7 @@ def failure_entry(failure: pb.FailureRecord, started_at: float) -> dict[str, Any
     survivor computes again in the new generation (None if it never did).
     """
     origin = failure.killed_at or failure.detected_at
-    return {
+    entry: dict[str, Any] = {
         "step": failure.step,
         "replica": failure.replica,
         "phase": failure.phase,
@@ -35,6 +43,10 @@ def failure_entry(failure: pb.FailureRecord, started_at: float) -> dict[str, Any
         if failure.killed_at else None,
         "recovered_s": round(failure.recovered_at - origin, 4) if failure.recovered_at else None,
     }
+    if failure.HasField("error"):
+        entry["error"] = failure.error.message
+        entry["traceback"] = failure.error.traceback
+    return entry
 
 
 def step_time(steps: list[pb.StepRecord]) -> dict[str, float] | None:
@@ -71,9 +83,19 @@ def build_summary(report: pb.RunReport, wall_s: float) -> dict[str, Any]:
         "steps_requested": report.job.steps,
         "steps_committed": len(steps),
         "global_microbatches": report.job.global_microbatches,
-        "microbatch_size": report.job.microbatch_size,
+        # Samples per microbatch, when the workload's source says (a dataset source does).
+        "microbatch_size": report.workload.samples_per_microbatch or None,
+        "workload": {
+            "command": list(report.job.workload.command),
+            "parameters": report.workload.parameters,
+            "gradient_buckets": list(report.workload.gradient_buckets),
+            "determinism_sha256": report.workload.determinism_sha256 or None,
+        },
         "microbatches_per_step": [record.microbatches for record in steps],
         "sample_digest_per_step": [record.sample_digest for record in steps],
+        # The ledger's sample ids themselves (sorted per step), with --record-sample-ids only.
+        "sample_ids_per_step": [list(record.sample_ids) for record in steps]
+        if report.job.record_sample_ids else None,
         "loss_per_step": [record.loss for record in steps],
         "generation_per_step": [record.generation for record in steps],
         "step_time": step_time(steps),
@@ -94,12 +116,22 @@ def build_summary(report: pb.RunReport, wall_s: float) -> dict[str, Any]:
         "train_s": round(report.finished_at - report.started_at, 3)
         if report.finished_at and report.started_at else None,
         "tokens": sum(record.tokens for record in steps),
-        "compute_ms": report.job.compute_ms,
+        "compute_ms": report.job.testing.compute_ms,
         "started_at": report.started_at,
         # Seconds from the job's start to each step's commit (cumulative-tokens plots).
         "committed_at_s_per_step": [round(record.committed_at - report.started_at, 4)
                                     if report.started_at else None for record in steps],
     }
+
+
+def write_summary(summary: dict[str, Any], out_dir: str | os.PathLike[str]) -> Path:
+    """Write OUT_DIR/summary.json atomically (a reader never sees half a file)."""
+    target = Path(out_dir) / "summary.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".summary.json.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    os.replace(tmp, target)
+    return target
 
 
 def format_summary(summary: dict[str, Any]) -> str:

@@ -1,4 +1,4 @@
-"""Tiny reference GPT used by the trainer, tests and benchmarks.
+"""The reference GPT: a tiny causal transformer for the demo, the tests and the benchmarks.
 
 Small enough to train on CPU in seconds, yet a real pre-LayerNorm causal
 transformer with dropout, so the determinism guarantees are exercised on the
@@ -7,7 +7,6 @@ same kinds of ops (attention, layer norm, RNG-consuming dropout) as a real run.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -144,23 +143,6 @@ def build_model(config: GPTConfig, init_seed: int) -> TinyGPT:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(init_seed)
         return TinyGPT(config)
-
-
-def parameter_digest(model: nn.Module) -> str:
-    """Hex sha256 over names, dtypes, shapes and raw bytes of all parameters.
-
-    Comparing digests is how replicas prove they hold the same weights without
-    shipping them; dtype and shape are hashed too so that a reinterpretation
-    of the same bytes cannot collide.
-    """
-    h = hashlib.sha256()
-    for name, p in model.named_parameters():
-        t = p.detach().to("cpu").contiguous().reshape(-1)
-        h.update(f"{name}|{t.dtype}|{tuple(p.shape)}|".encode())
-        # Viewing as uint8 lets numpy expose the buffer for any dtype
-        # (including bfloat16, which numpy cannot represent natively).
-        h.update(memoryview(t.view(torch.uint8).numpy()))
-    return h.hexdigest()
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -6,8 +6,10 @@ import math
 
 import torch
 
-from recover.trainer.data import CorpusConfig, SyntheticCorpus, microbatch_sample_ids
-from recover.trainer.model import GPTConfig, TinyGPT, build_model, parameter_digest
+from recover.trainer.digest import parameter_digest
+from recover.trainer.sampling import EpochSampler
+from recover.workloads.tinygpt.corpus import CorpusConfig, SyntheticCorpus
+from recover.workloads.tinygpt.model import GPTConfig, TinyGPT, build_model
 
 torch.set_num_threads(1)
 
@@ -16,7 +18,7 @@ CFG = GPTConfig()
 
 def _corpus_batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     corpus = SyntheticCorpus(CorpusConfig())
-    return corpus.batch(microbatch_sample_ids(0, step, 0, size, 1_000_000))
+    return corpus.batch(EpochSampler(len(corpus), size, 1, seed=0).sample_ids(step, 0))
 
 
 def test_build_is_deterministic() -> None:

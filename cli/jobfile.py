@@ -1,0 +1,127 @@
+"""Job files: the settings of `recover run` / `recover controller` in TOML.
+
+    [job]                       # the core: what ReCoVer needs
+    replicas = 4
+    steps = 200
+    global_microbatches = 32
+    reduce = "exact"
+
+    [workload]                  # what the workers run
+    command = ["python", "train.py", "--hidden", "256"]
+    config = { lr = 3e-4 }      # every worker gets it as Job.config
+
+    [testing]                   # fault injection, emulated accelerator time
+    kill = ["step=10,replica=1,phase=backward"]
+
+Keys are the long flags' names with underscores. Without a `command`, the
+`[workload]` table takes the built-in reference GPT's settings
+(`microbatch_size`, `lr`, ...). The file's values become the flags'
+defaults, so a flag given on the command line wins. Each value is checked
+as its flag would be; an unknown key or a wrong type is a one-line error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from recover.cli.jobargs import UsageError
+from recover.workloads.tinygpt import config as tinygpt
+
+SECTIONS = {
+    "job": ("replicas", "steps", "global_microbatches", "seed", "reduce", "reduce_dtype",
+            "check_determinism", "record_sample_ids", "policy", "hang_timeout", "hang_factor",
+            "group_timeout", "job_id"),
+    "workload": ("command", "config", *tinygpt.FLAGS),
+    "testing": ("kill", "compute_ms"),
+}
+DESTS = {"command": "file_command", "config": "workload_config"}
+"""Keys whose flag stores under another name."""
+
+
+def find_job_file(argv: list[str]) -> str | None:
+    """The value of `--job FILE` / `--job=FILE` among the options before `--`."""
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return None
+        if arg == "--job" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--job="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def load(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """Read `path` and check every value against `parser`'s flags: {dest: value}."""
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise UsageError(f"--job {path!r}: no such file") from None
+    except OSError as exc:
+        raise UsageError(f"--job {path!r}: cannot read it: {exc.strerror}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--job {path!r}: not valid TOML: {exc}") from None
+    unknown = sorted(set(data) - set(SECTIONS))
+    if unknown:
+        raise UsageError(f"--job {path!r}: unknown section(s) {unknown}; expected "
+                         f"{', '.join(f'[{s}]' for s in SECTIONS)}")
+    actions = {a.dest: a for a in parser._actions}  # noqa: SLF001 - argparse has no public map
+    values: dict[str, Any] = {}
+    for section, keys in SECTIONS.items():
+        table = data.get(section, {})
+        if not isinstance(table, dict):
+            raise UsageError(f"--job {path!r}: [{section}] must be a table")
+        extra = sorted(set(table) - set(keys))
+        if extra:
+            raise UsageError(f"--job {path!r}: unknown key(s) {extra} in [{section}]")
+        for key, value in table.items():
+            where = f"--job {path!r}: [{section}] {key}"
+            dest = DESTS.get(key, key)
+            values[dest] = _checked(where, key, value, actions.get(dest))
+    if values.get("file_command") and any(k in values for k in tinygpt.FLAGS):
+        raise UsageError(f"--job {path!r}: [workload] has a command and built-in GPT settings; "
+                         "pass your script's settings in its command or its config table")
+    return values
+
+
+def _checked(where: str, key: str, value: Any, action: argparse.Action | None) -> Any:
+    if key in ("command", "kill"):
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise UsageError(f"{where} must be a list of strings")
+        if key == "command" and not value:
+            raise UsageError(f"{where} is empty")
+        return value
+    if key == "config":
+        if not isinstance(value, dict):
+            raise UsageError(f"{where} must be a table")
+        try:
+            return json.dumps(value, sort_keys=True)
+        except TypeError as exc:  # TOML dates and times have no JSON form
+            raise UsageError(f"{where}: {exc} (use strings for dates and times)") from None
+    assert action is not None, key
+    if isinstance(action, argparse._StoreTrueAction | argparse.BooleanOptionalAction):  # noqa: SLF001
+        if not isinstance(value, bool):
+            raise UsageError(f"{where} must be true or false")
+        return value
+    if isinstance(value, bool | dict | list):
+        raise UsageError(f"{where} must be a single value, got {type(value).__name__}")
+    if action.type is not None:
+        try:
+            value = action.type(str(value))
+        except (argparse.ArgumentTypeError, ValueError) as exc:
+            raise UsageError(f"{where}: {exc}") from None
+    elif not isinstance(value, str):
+        raise UsageError(f"{where} must be a string")
+    if action.choices is not None and value not in action.choices:
+        raise UsageError(f"{where} must be one of {', '.join(map(str, action.choices))}")
+    return value
+
+
+def apply(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """Make a `--job FILE` in `argv` the defaults of `parser` (a subcommand's parser)."""
+    path = find_job_file(argv)
+    if path is not None:
+        parser.set_defaults(**load(path, parser))

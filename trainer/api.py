@@ -1,0 +1,289 @@
+"""The public trainer API: `init()` then `train(...)` (re-exported by `recover.trainer`).
+
+A user's script, started by `recover agent` (or `recover run`) as
+``python train.py ARGS``, builds its model and optimizer as usual, names a
+microbatch source and a loss, and hands them over::
+
+    import recover.trainer as rt
+
+    job = rt.init()                          # who am I, what does the job say
+    model = build_model(seed=job.seed)       # identical on every replica
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    rt.train(job, model, optimizer,
+             microbatches=rt.DatasetMicrobatches(dataset, microbatch_size=8),
+             loss_fn=lambda model, batch: model(batch).loss)
+
+ReCoVer owns the loop from there: which microbatches this replica computes,
+the RNG seed of each, accumulation, the reduction, the commit, recovery. The
+user's optimizer steps only on a committed step, so an LR scheduler stepped
+by ReCoVer, clipping of the reduced gradient and `on_step_committed` see the
+same values on every replica, failures or not.
+
+Mistakes in the user's part end the worker with one line naming the problem
+(and the user's own traceback when their code raised), never a hang.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import math
+import os
+import signal
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from recover.common import logs
+from recover.common.progress import ProgressBeacon
+from recover.proto import pb
+from recover.trainer.channel import AgentChannel, ChannelClosed
+from recover.trainer.determinism import check_determinism as run_determinism_check
+from recover.trainer.digest import parameter_digest
+from recover.trainer.errors import WorkloadError, contract_error
+from recover.trainer.executor import StepExecutor
+from recover.trainer.gradients import GradientBuckets, GradientLayoutError
+from recover.trainer.reduction import make_accumulator
+from recover.trainer.sources import as_source
+from recover.trainer.workload import ForwardBackwardFn, LossFn, Stateful, StepInfo, Workload
+
+log = logging.getLogger("recover.trainer")
+
+PR_SET_PDEATHSIG = 1
+EXIT_WORKLOAD_ERROR = 1
+EXIT_NOT_LAUNCHED = 2
+EXIT_AGENT_GONE = 3
+
+
+@dataclass(frozen=True)
+class Job:
+    """What this worker is and what the job says; returned by `init()`."""
+
+    job_id: str
+    replica: int
+    """This replica's id (stable for its life; ids of lost replicas are not reused)."""
+    replicas: int
+    """Replicas the job started with."""
+    steps: int
+    """Optimizer steps the job trains."""
+    global_microbatches: int
+    """M: microbatches every step sums, whatever fails."""
+    seed: int
+    """The job's seed: build the model from it so every replica starts identical."""
+    reduce: str
+    """"fast" or "exact" (bitwise identical to the failure-free run)."""
+    config: Mapping[str, Any]
+    """The job file's [workload.config] table (empty without one): the workload's own settings."""
+    device: torch.device
+    """Where this replica's model should live: its slot's GPU when there is one, else the CPU."""
+    replica_rank: int = 0
+    """Rank within the replica (0: replicas are one process each for now)."""
+    replica_size: int = 1
+    """Processes per replica (1 for now; FSDP and pipeline replicas will have more)."""
+    _channel: AgentChannel | None = field(default=None, repr=False, compare=False)
+    _proto: pb.JobConfig | None = field(default=None, repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """How the job ended, as this replica saw it."""
+
+    success: bool
+    reason: str
+    steps_applied: int
+    """Steps this replica applied (all of them unless it was lost)."""
+
+
+_job: Job | None = None
+
+
+def _exit(code: int, message: str) -> None:
+    print(f"recover: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(code)
+
+
+def _die_with_agent() -> bool:
+    """SIGKILL this worker when its parent dies, so a lost host loses its workers too.
+
+    The parent is the agent, or a wrapper between them (`-- ./train.sh`, `uv run`),
+    whose whole process group the agent kills; either way the agent's channel
+    closing stops a worker too. Returns False when the agent is already gone.
+    """
+    agent_pid = os.environ.get("RECOVER_AGENT_PID")
+    if agent_pid is None or not sys.platform.startswith("linux"):
+        return True
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:  # orphaned before the signal was armed
+        return False
+    try:
+        os.kill(int(agent_pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError):
+        pass
+    return True
+
+
+def _device(slot: int) -> torch.device:
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return torch.device("cuda", slot % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init() -> Job:
+    """Attach to this worker's agent and return the job. Call it once, before building
+    the model; a second call returns the same Job.
+
+    Started outside ReCoVer (no agent), it prints one line and exits with code 2.
+    """
+    global _job
+    if _job is not None:
+        return _job
+    try:
+        replica = int(os.environ["RECOVER_REPLICA_ID"])
+        address = os.environ["RECOVER_AGENT_ADDR"]
+        slot = int(os.environ.get("RECOVER_SLOT", "0"))
+    except (KeyError, ValueError):
+        _exit(EXIT_NOT_LAUNCHED, "recover.trainer.init(): this script must be started by "
+              "`recover run ... -- python SCRIPT` or `recover agent` (RECOVER_REPLICA_ID and "
+              "RECOVER_AGENT_ADDR are not set)")
+    logs.configure("worker")
+    if not _die_with_agent():
+        _exit(EXIT_AGENT_GONE, "the agent exited before this worker started")
+    channel = AgentChannel(address, replica)
+    try:
+        welcome = channel.connect()
+    except ChannelClosed as exc:
+        _exit(EXIT_AGENT_GONE, f"replica {replica}: {exc}")
+    proto = welcome.job
+    try:
+        config = json.loads(proto.workload.config_json) if proto.workload.config_json else {}
+    except json.JSONDecodeError:
+        config = {}
+    _job = Job(job_id=proto.job_id, replica=replica, replicas=proto.replicas, steps=proto.steps,
+               global_microbatches=proto.global_microbatches, seed=proto.seed,
+               reduce=proto.reduce or "fast", config=config, device=_device(slot),
+               _channel=channel, _proto=proto)
+    return _job
+
+
+def train(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+          microbatches: Any,
+          loss_fn: LossFn | None = None,
+          forward_backward: ForwardBackwardFn | None = None,
+          lr_scheduler: Any = None,
+          max_grad_norm: float | None = None,
+          on_step_committed: Callable[[StepInfo], None] | None = None,
+          extra_state: Mapping[str, Stateful] | None = None,
+          check_determinism: bool | None = None) -> TrainResult:
+    """Train `model` under ReCoVer until the job ends; returns how it ended.
+
+    microbatches: a function ``(step, microbatch) -> batch`` (deterministic), or a
+        ``DatasetMicrobatches(dataset, microbatch_size=B)``, or any ``MicrobatchSource``.
+    loss_fn: ``(model, batch) -> loss`` (a scalar tensor), or ``-> (loss, tokens)`` to
+        report tokens; ReCoVer calls ``backward()``.
+    forward_backward: instead of loss_fn, for code that runs its own backward (a
+        pipeline schedule, several losses): ``(model, batch) -> loss`` as a float or tensor.
+    lr_scheduler: stepped once per *committed* step, after the optimizer.
+    max_grad_norm: clip the reduced gradient to this global norm before the optimizer step.
+    on_step_committed: called with a ``StepInfo`` after every committed step, on every
+        replica (``info.is_first_replica`` is true on exactly one: log there).
+    extra_state: name -> object with ``state_dict()``/``load_state_dict()`` that joins and
+        restores carry along with the model, optimizer and scheduler.
+    check_determinism: compute microbatch 0 twice before training and compare bitwise
+        (default: the job's setting, on in exact mode).
+    """
+    if job._channel is None or job._proto is None:
+        raise TypeError("train() needs the Job returned by recover.trainer.init()")
+    channel, proto = job._channel, job._proto
+    executor: StepExecutor | None = None
+    beacon: ProgressBeacon | None = None
+    try:
+        workload = _workload(job, model, optimizer, microbatches, loss_fn, forward_backward,
+                             lr_scheduler, max_grad_norm, on_step_committed, extra_state)
+        try:
+            grads = GradientBuckets(workload.params)
+            accumulator = make_accumulator(job.reduce, grads, job.global_microbatches,
+                                           proto.reduce_dtype or "grad")
+        except (GradientLayoutError, ValueError) as exc:
+            raise contract_error(str(exc), where="train") from None
+        progress_file = os.environ.get("RECOVER_PROGRESS_FILE")
+        beacon = ProgressBeacon(Path(progress_file)) if progress_file else None
+        info = pb.WorkloadInfo(parameters=sum(p.numel() for p in workload.params),
+                               gradient_buckets=grads.describe(),
+                               samples_per_microbatch=workload.source.samples_per_microbatch or 0)
+        wanted = proto.check_determinism if check_determinism is None else check_determinism
+        if wanted:
+            checked = run_determinism_check(workload, grads)
+            info.determinism_sha256 = checked.gradient_sha256
+            log.info("determinism check passed (gradient %s)", checked.gradient_sha256[:12],
+                     extra={"replica": job.replica})
+        executor = StepExecutor(proto, job.replica, channel, workload, grads, accumulator,
+                                beacon=beacon)
+        shutdown = executor.run(pb.Ready(param_sha256=parameter_digest(model), pid=os.getpid(),
+                                         workload=info))
+    except WorkloadError as exc:
+        _report_and_exit(channel, exc)
+    except ChannelClosed as exc:
+        _exit(EXIT_AGENT_GONE, f"replica {job.replica} stopping: {exc}")
+    finally:
+        if beacon is not None:
+            beacon.close()
+        channel.close()
+    log.info("job ended: %s", shutdown.reason, extra={"replica": job.replica})
+    return TrainResult(shutdown.success, shutdown.reason, executor.steps_applied)
+
+
+def _report_and_exit(channel: AgentChannel, exc: WorkloadError) -> None:
+    channel.report_error(exc.report())
+    if exc.user_traceback:
+        print(exc.user_traceback.rstrip(), file=sys.stderr)
+    _exit(EXIT_WORKLOAD_ERROR, str(exc))
+
+
+def _workload(job: Job, model: Any, optimizer: Any, microbatches: Any, loss_fn: Any,
+              forward_backward: Any, lr_scheduler: Any, max_grad_norm: Any,
+              on_step_committed: Any, extra_state: Any) -> Workload:
+    """Check the arguments of train(); a mistake is a contract error naming it."""
+
+    def bad(message: str) -> WorkloadError:
+        return contract_error(f"train(): {message}", where="train")
+
+    if not isinstance(model, torch.nn.Module):
+        raise bad(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise bad(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if (loss_fn is None) == (forward_backward is None):
+        raise bad("give exactly one of loss_fn (ReCoVer calls backward) and forward_backward "
+                  "(your function does)")
+    for name, fn in (("loss_fn", loss_fn), ("forward_backward", forward_backward),
+                     ("on_step_committed", on_step_committed)):
+        if fn is not None and not callable(fn):
+            raise bad(f"{name} must be a function, got {type(fn).__name__}")
+    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(
+            max_grad_norm, int | float) or not 0 < max_grad_norm < math.inf):
+        raise bad(f"max_grad_norm must be a positive number, got {max_grad_norm!r}")
+    if lr_scheduler is not None and not all(hasattr(lr_scheduler, a) for a in
+                                            ("step", "state_dict", "load_state_dict")):
+        raise bad(f"lr_scheduler must have step(), state_dict() and load_state_dict(), got "
+                  f"{type(lr_scheduler).__name__}")
+    extra = dict(extra_state or {})
+    for name, obj in extra.items():
+        if not isinstance(name, str) or not isinstance(obj, Stateful):
+            raise bad(f"extra_state[{name!r}] must be an object with state_dict() and "
+                      "load_state_dict()")
+    try:
+        source = as_source(microbatches)
+        source.bind(job.global_microbatches, job.seed)
+    except (TypeError, ValueError) as exc:
+        raise bad(str(exc)) from None
+    return Workload(model=model, optimizer=optimizer, source=source, seed=job.seed,
+                    loss_fn=loss_fn, forward_backward=forward_backward, lr_scheduler=lr_scheduler,
+                    max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
+                    on_step_committed=on_step_committed, extra_state=extra)

@@ -1,0 +1,25 @@
+"""Digests that let replicas prove they hold the same bits without shipping them."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+
+import torch
+
+
+def tensor_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """Hex sha256 over names, dtypes, shapes and raw bytes; dtype and shape are hashed
+    too, so a reinterpretation of the same bytes cannot collide."""
+    h = hashlib.sha256()
+    for name, tensor in named:
+        t = tensor.detach().to("cpu").contiguous().reshape(-1)
+        h.update(f"{name}|{t.dtype}|{tuple(tensor.shape)}|".encode())
+        # Viewing as uint8 lets numpy expose the buffer for any dtype (bfloat16 included).
+        h.update(memoryview(t.view(torch.uint8).numpy()))
+    return h.hexdigest()
+
+
+def parameter_digest(model: torch.nn.Module) -> str:
+    """The digest of every parameter of `model` (tied parameters once)."""
+    return tensor_digest(model.named_parameters())

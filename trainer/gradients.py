@@ -1,0 +1,95 @@
+"""Every trainable parameter's ``.grad`` as a view into one flat buffer per (device, dtype).
+
+Backward then writes straight into the buffers, and a reduction copies one
+buffer per bucket instead of concatenating hundreds of tensors. Buckets keep
+each gradient in its own dtype and on its own device (bf16 stays bf16, a CUDA
+parameter's gradient stays on its GPU); a model with one dtype on one device
+has exactly one bucket.
+
+Autograd accumulates into an existing ``.grad`` in place (a sparse gradient,
+from ``nn.Embedding(sparse=True)``, too: densely), so the views stay live; the
+rare paths that replace ``.grad`` (double backward, user code that
+assigns it) are caught after each microbatch and folded back into the bucket.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+class GradientLayoutError(ValueError):
+    """The model has parameters whose gradients ReCoVer cannot reduce; the message says which."""
+
+
+@dataclass
+class Bucket:
+    device: torch.device
+    dtype: torch.dtype
+    params: list[torch.nn.Parameter]
+    sizes: list[int]
+    flat: torch.Tensor
+    pointers: list[int] = field(default_factory=list)
+    """data_ptr() of each parameter's gradient view, to notice a replaced `.grad`."""
+
+    @property
+    def numel(self) -> int:
+        return self.flat.numel()
+
+
+class GradientBuckets:
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        if not params:
+            raise GradientLayoutError("the model has no trainable parameters "
+                                      "(requires_grad=True): there is nothing to train")
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = {}
+        for p in params:
+            if p.dtype not in SUPPORTED_DTYPES:
+                raise GradientLayoutError(f"a parameter of shape {tuple(p.shape)} has dtype "
+                                          f"{p.dtype}; supported: float32, bfloat16, float16, float64")
+            if p.layout is not torch.strided:
+                raise GradientLayoutError(f"a parameter of shape {tuple(p.shape)} has layout "
+                                          f"{p.layout}; only dense parameters are supported")
+            groups.setdefault((p.device, p.dtype), []).append(p)
+        self.buckets: list[Bucket] = []
+        for (device, dtype), members in groups.items():
+            sizes = [p.numel() for p in members]
+            flat = torch.zeros(sum(sizes), dtype=dtype, device=device)
+            bucket = Bucket(device, dtype, members, sizes, flat)
+            offset = 0
+            for p, n in zip(members, sizes, strict=True):
+                p.grad = flat[offset:offset + n].view_as(p)
+                bucket.pointers.append(p.grad.data_ptr())
+                offset += n
+            self.buckets.append(bucket)
+        self.params = params
+
+    def zero(self) -> None:
+        for bucket in self.buckets:
+            bucket.flat.zero_()
+
+    def repair_views(self) -> None:
+        """Fold any gradient that autograd or user code replaced back into its bucket."""
+        for bucket in self.buckets:
+            offset = 0
+            for p, n, pointer in zip(bucket.params, bucket.sizes, bucket.pointers, strict=True):
+                grad = p.grad
+                if grad is None or grad.data_ptr() != pointer:
+                    view = bucket.flat[offset:offset + n].view_as(p)
+                    if grad is not None:
+                        view.copy_(grad.to_dense() if grad.is_sparse else grad)
+                    p.grad = view
+                offset += n
+
+    def load(self, means: list[torch.Tensor]) -> None:
+        """Overwrite every bucket with a reduced gradient (one tensor per bucket)."""
+        for bucket, mean in zip(self.buckets, means, strict=True):
+            bucket.flat.copy_(mean)
+
+    def describe(self) -> list[str]:
+        """E.g. ['cpu float32 x 106,304'] for status and errors."""
+        return [f"{b.device} {str(b.dtype).removeprefix('torch.')} x {b.numel:,}"
+                for b in self.buckets]

@@ -1,0 +1,1 @@
+"""Workloads that ship with ReCoVer; each uses only the public `recover.trainer` API."""
