@@ -25,8 +25,10 @@ from recover.agent import fencing
 from recover.agent.link import LinkError, Session, close_session, open_session
 from recover.agent.local import WorkerChannelService
 from recover.agent.metrics import AgentCollector
+from recover.agent.restarts import decide_restart
 from recover.agent.workers import WorkerProcess, exit_report, spawn_worker, stop_workers
 from recover.common import progress
+from recover.common.netaddr import local_address_towards
 from recover.proto import pb, rpc
 
 log = logging.getLogger("recover.agent")
@@ -66,6 +68,8 @@ class AgentConfig:
     """Serve Prometheus metrics on 127.0.0.1:PORT/metrics (0: any free port; None: off)."""
     metrics_host: str = "127.0.0.1"
     """Address the metrics endpoint listens on."""
+    max_restarts: int = 3
+    """Times a slot's worker is replaced after it dies (with backoff); 0: never."""
 
 
     @property
@@ -91,6 +95,13 @@ class Agent:
         self._applied_step: dict[int, int] = {}
         self._ready: dict[int, pb.WorkerReport] = {}
         self.metrics_port: int | None = None
+        self.restarts: dict[int, int] = {}
+        """Workers started again per slot (a dead one replaced)."""
+        self._job = pb.JobConfig()
+        self._channel_address = ""
+        self._run_dir = Path()
+        self._transfer_host = "127.0.0.1"
+        self._tasks: list[asyncio.Task[None]] = []
 
     def relay(self, report: pb.WorkerReport) -> None:
         kind = report.WhichOneof("kind")
@@ -128,6 +139,8 @@ class Agent:
             raise AgentError(str(exc)) from None
         self.term = max(self.term, session.term)
         self._upstream = session.upstream
+        host, _, port = session.address.rpartition(":")
+        self._transfer_host = local_address_towards(host, int(port)) or "127.0.0.1"
         if resume:
             # The old leader may have died before persisting these (reports sent
             # while no leader listened are gone): the new one needs the last
@@ -143,17 +156,17 @@ class Agent:
         if cfg.metrics_port is not None:
             self._serve_metrics()
         session = await self._connect(resume=False)
-        tasks: list[asyncio.Task[None]] = []
         server: grpc.aio.Server | None = None
         with tempfile.TemporaryDirectory(prefix="recover-agent-") as socket_dir:
             try:
                 registered = session.registered
-                server, address = await self._serve_workers(registered.job, Path(socket_dir))
-                await self._spawn(list(registered.replica_ids), registered.job, address,
-                                  Path(socket_dir))
-                tasks = [asyncio.create_task(self._heartbeat()),
-                         asyncio.create_task(self._watchdog(registered.job))]
-                tasks += [asyncio.create_task(self._watch(w)) for w in self.workers.values()]
+                self._job, self._run_dir = registered.job, Path(socket_dir)
+                server, self._channel_address = await self._serve_workers(registered.job,
+                                                                          self._run_dir)
+                for slot, replica in enumerate(registered.replica_ids):
+                    await self._spawn(slot, replica)
+                self._tasks += [asyncio.create_task(self._heartbeat()),
+                                asyncio.create_task(self._watchdog(registered.job))]
                 while not await self._pump(session):
                     # The leader is gone (or stood down): the workers keep going
                     # while we find the new one and rejoin it.
@@ -163,7 +176,7 @@ class Agent:
                     self.reconnects += 1
                     session = await self._connect(resume=True, lost=session.address)
             finally:
-                for task in tasks:
+                for task in self._tasks:
                     task.cancel()
                 await stop_workers(list(self.workers.values()), cfg.shutdown_grace_s
                                    if self._shutdown is not None else 0.0)
@@ -198,28 +211,30 @@ class Agent:
         await server.start()
         return server, address
 
-    async def _spawn(self, replicas: list[int], job: pb.JobConfig, address: str,
-                     run_dir: Path) -> None:
+    async def _spawn(self, slot: int, replica: int) -> None:
+        """Start the worker of `replica` on `slot` and watch it."""
         log_dir = Path(self.config.log_dir) if self.config.log_dir else None
-        command = self.config.command or list(job.workload.command)
+        command = self.config.command or list(self._job.workload.command)
         if not command:
             raise AgentError("the job names no worker command: give one after `--`")
-        for slot, replica in enumerate(replicas):
-            try:
-                self.workers[replica] = await spawn_worker(
-                    command, replica=replica, slot=slot, agent_id=self.config.agent_id,
-                    agent_address=address, job_id=job.job_id, log_dir=log_dir,
-                    progress_path=run_dir / f"progress-{replica}.bin")
-            except OSError as exc:
-                # As if it died at once, with the reason as its last words: the controller
-                # then fails a job that cannot start (or recovers a running one).
-                log.error("cannot run the worker command %r: %s", command[0], exc.strerror,
-                          extra={"replica": replica})
-                self._upstream.put_nowait(pb.AgentMessage(worker_exited=pb.WorkerExited(
-                    replica=replica, exit_code=127, observed_at=time.time(),
-                    output_tail=f"cannot run the worker command {command[0]!r}: {exc.strerror}")))
-                continue
-            log.info("spawned worker pid %d", self.workers[replica].pid, extra={"replica": replica})
+        try:
+            worker = await spawn_worker(
+                command, replica=replica, slot=slot, agent_id=self.config.agent_id,
+                agent_address=self._channel_address, job_id=self._job.job_id, log_dir=log_dir,
+                progress_path=self._run_dir / f"progress-{replica}.bin",
+                transfer_host=self._transfer_host)
+        except OSError as exc:
+            # As if it died at once, with the reason as its last words: the controller
+            # then fails a job that cannot start (or recovers a running one).
+            log.error("cannot run the worker command %r: %s", command[0], exc.strerror,
+                      extra={"replica": replica})
+            self._upstream.put_nowait(pb.AgentMessage(worker_exited=pb.WorkerExited(
+                replica=replica, exit_code=127, observed_at=time.time(),
+                output_tail=f"cannot run the worker command {command[0]!r}: {exc.strerror}")))
+            return
+        self.workers[replica] = worker
+        self._tasks.append(asyncio.create_task(self._watch(worker)))
+        log.info("spawned worker pid %d on slot %d", worker.pid, slot, extra={"replica": replica})
 
     async def _watch(self, worker: WorkerProcess) -> None:
         returncode = await worker.process.wait()
@@ -230,6 +245,18 @@ class Agent:
         self._upstream.put_nowait(pb.AgentMessage(worker_exited=report))
         log.warning("worker exited (code %d, signal %d)", report.exit_code, report.signal,
                     extra={"replica": worker.replica})
+        restarts = self.restarts.get(worker.slot, 0)
+        decision = decide_restart(worker.slot, restarts, self.config.max_restarts,
+                                  job_over=self._shutdown is not None,
+                                  deterministic_error=worker.error is not None
+                                  and worker.error.deterministic)
+        log.info("%s", decision.reason, extra={"replica": worker.replica})
+        if decision.restart:
+            self.restarts[worker.slot] = restarts + 1
+            await asyncio.sleep(decision.delay_s)
+            if self._shutdown is None:
+                self._upstream.put_nowait(pb.AgentMessage(replica_request=pb.ReplicaRequest(
+                    slot=worker.slot, reason=f"replica {worker.replica} exited")))
 
     async def _watchdog(self, job: pb.JobConfig) -> None:
         """Kill workers that stopped making progress; their exit is then a plain crash."""
@@ -295,6 +322,17 @@ class Agent:
             for worker in self.workers.values():
                 worker.commands.put_nowait(pb.WorkerCommand(shutdown=message.shutdown))
             return True
+        elif kind == "donate":
+            self._forward(pb.WorkerCommand(donate=message.donate), [message.donate.donor])
+        elif kind == "join":
+            self._forward(pb.WorkerCommand(join=message.join), [message.join.joiner])
+        elif kind == "replica_assigned":
+            assigned = message.replica_assigned
+            if assigned.refused:
+                log.warning("slot %d stays empty: %s", assigned.slot, assigned.refused)
+            else:
+                self._tasks.append(asyncio.create_task(self._spawn(assigned.slot,
+                                                                   assigned.replica)))
         return False
 
     def _forward(self, command: pb.WorkerCommand, replicas: Iterable[int] | None = None) -> None:

@@ -88,6 +88,7 @@ async def spawn_worker(
     job_id: str,
     log_dir: Path | None,
     progress_path: Path | None = None,
+    transfer_host: str = "127.0.0.1",
 ) -> WorkerProcess:
     """Start one worker with its identity in RECOVER_* variables (like torchrun's RANK)."""
     env = dict(os.environ)
@@ -101,6 +102,8 @@ async def spawn_worker(
         # forking a process that runs gRPC threads must exec straight away).
         "RECOVER_AGENT_PID": str(os.getpid()),
         "PYTHONUNBUFFERED": "1",
+        # Where the worker accepts a donor's state when it joins a running job.
+        "RECOVER_TRANSFER_HOST": transfer_host,
     })
     # Several workers share a host's cores, and bitwise-identical results need the
     # same thread count on every replica: one intra-op thread unless the user says

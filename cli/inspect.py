@@ -92,7 +92,8 @@ def format_status(status: pb.JobStatus) -> str:
         f"step        {status.steps_committed}/{status.steps_total}",
         f"generation  {status.generation}",
         f"replicas    {len(status.live_replicas)} live {list(status.live_replicas)} "
-        f"on {status.agents} agents",
+        f"on {status.agents} agents" + (f", joining {list(status.joining)}" if status.joining
+                                        else ""),
         f"plan        {load or '-'} (replica:microbatches)",
         f"recoveries  {status.recoveries}",
         f"loss        {status.last_loss:.4f}",

@@ -13,10 +13,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import uuid
 
 from recover.proto import pb
-from recover.trainer.faults import FaultSpecError, format_fault_spec, parse_fault_spec
+from recover.trainer.faults import (
+    ANY_REPLICA_PHASES,
+    FaultSpecError,
+    format_fault_spec,
+    parse_fault_spec,
+)
 from recover.workloads.tinygpt import config as tinygpt
 
 MAX_SEED = 2 ** 63 - 1
@@ -46,6 +52,21 @@ def positive_int(text: str) -> int:
     return value
 
 
+def checkpoint_interval(text: str) -> tuple[int, float]:
+    """"25" -> every 25 steps; "90s" -> every 90 seconds."""
+    try:
+        if text.endswith("s"):
+            seconds = float(text[:-1])
+            if 0 < seconds < math.inf:
+                return 0, seconds
+        elif int(text) > 0:
+            return int(text), 0.0
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"expected a number of steps (25) or seconds (90s), "
+                                     f"got {text!r}")
+
+
 def add_job_arguments(parser: argparse.ArgumentParser, *, command: bool = True) -> None:
     job = parser.add_argument_group("job")
     job.add_argument("--job", metavar="FILE", default=None,
@@ -55,6 +76,12 @@ def add_job_arguments(parser: argparse.ArgumentParser, *, command: bool = True) 
                      help="data-parallel replicas at start (default 4)")
     job.add_argument("--steps", "-T", type=positive_int, default=50,
                      help="optimizer steps to train (default 50)")
+    job.add_argument("--min-replicas", type=positive_int, default=1,
+                     help="after a worker failed during startup, the job may start with this "
+                          "many replicas; the others join later (default 1)")
+    job.add_argument("--spares", type=int, default=0,
+                     help="hot spares beyond --replicas: they keep a live copy of the state and "
+                          "take a lost replica's place at the next step (default 0)")
     job.add_argument("--global-microbatches", "-M", type=positive_int, default=16,
                      help="microbatches summed by every step, whatever survives (default 16)")
     job.add_argument("--seed", type=int, default=0,
@@ -82,6 +109,13 @@ def add_job_arguments(parser: argparse.ArgumentParser, *, command: bool = True) 
     job.add_argument("--group-timeout", type=float, default=30.0,
                      help="safety-net timeout of a generation's collectives, seconds")
     job.add_argument("--job-id", default=None, help="name of the job (default: random)")
+    job.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                     help="write checkpoints for total loss here (shared by the hosts), in the "
+                          "background at committed steps")
+    job.add_argument("--checkpoint-every", type=checkpoint_interval, default=None, metavar="N|Ns",
+                     help="every N committed steps, or every N seconds with an s (default 100)")
+    job.add_argument("--checkpoint-keep", type=positive_int, default=3, metavar="K",
+                     help="complete checkpoints kept; older ones are deleted (default 3)")
     job.add_argument("--workload-config", default=None, metavar="JSON",
                      help="a JSON object every worker receives as recover.trainer Job.config "
                           "(a job file's [workload.config])")
@@ -111,6 +145,11 @@ def _check_core(args: argparse.Namespace) -> None:
     if args.global_microbatches > MAX_MICROBATCHES:
         raise UsageError(f"--global-microbatches must be at most {MAX_MICROBATCHES}, got "
                          f"{args.global_microbatches}")
+    if not 0 <= args.spares <= MAX_REPLICAS:
+        raise UsageError(f"--spares must be between 0 and {MAX_REPLICAS}, got {args.spares}")
+    if args.min_replicas > args.replicas:
+        raise UsageError(f"--min-replicas ({args.min_replicas}) cannot exceed --replicas "
+                         f"({args.replicas})")
     if args.global_microbatches < args.replicas:
         raise UsageError(
             f"--global-microbatches ({args.global_microbatches}) must be at least --replicas "
@@ -174,21 +213,31 @@ def job_from_args(args: argparse.Namespace) -> pb.JobConfig:
         if spec.step >= args.steps:
             raise UsageError(f"--kill {text!r}: step {spec.step} is beyond the last step "
                              f"({args.steps - 1})")
-        if spec.replica >= args.replicas:
+        if spec.replica >= args.replicas and spec.phase not in ANY_REPLICA_PHASES:
             raise UsageError(f"--kill {text!r}: replica {spec.replica} does not exist "
                              f"(replicas are 0..{args.replicas - 1})")
         faults.append(spec)
     check = args.reduce == "exact" if args.check_determinism is None else args.check_determinism
+    every_steps, every_s = args.checkpoint_every or (100, 0.0)
+    if args.checkpoint_dir is not None and not args.checkpoint_dir.strip():
+        raise UsageError("--checkpoint-dir is empty")
+    if args.checkpoint_every is not None and args.checkpoint_dir is None:
+        raise UsageError("--checkpoint-every goes with --checkpoint-dir")
+    checkpoint = pb.CheckpointConfig(
+        dir=os.path.abspath(args.checkpoint_dir), every_steps=every_steps, every_s=every_s,
+        keep=args.checkpoint_keep) if args.checkpoint_dir else None
     return pb.JobConfig(
         job_id=args.job_id or f"job-{uuid.uuid4().hex[:8]}",
         replicas=args.replicas, steps=args.steps, global_microbatches=args.global_microbatches,
+        min_replicas=args.min_replicas, spares=args.spares,
         seed=args.seed, reduce=args.reduce, reduce_dtype=args.reduce_dtype,
         check_determinism=check, record_sample_ids=args.record_sample_ids,
         group_timeout_s=args.group_timeout, policy=args.policy,
         hang_timeout_s=args.hang_timeout, hang_factor=args.hang_factor,
         workload=pb.WorkloadSpec(command=worker_command(args),
                                  config_json=_workload_config(args.workload_config)),
-        testing=pb.TestingConfig(faults=faults, compute_ms=args.compute_ms))
+        testing=pb.TestingConfig(faults=faults, compute_ms=args.compute_ms),
+        checkpoint=checkpoint)
 
 
 def job_to_args(job: pb.JobConfig) -> list[str]:
@@ -196,6 +245,7 @@ def job_to_args(job: pb.JobConfig) -> list[str]:
     end with `-- COMMAND`: a caller's own flags go before them."""
     args = [
         "--replicas", str(job.replicas), "--steps", str(job.steps),
+        "--min-replicas", str(job.min_replicas or 1), "--spares", str(job.spares),
         "--global-microbatches", str(job.global_microbatches), "--seed", str(job.seed),
         "--reduce", job.reduce, "--reduce-dtype", job.reduce_dtype or "grad",
         "--check-determinism" if job.check_determinism else "--no-check-determinism",
@@ -205,6 +255,11 @@ def job_to_args(job: pb.JobConfig) -> list[str]:
     ]
     if job.record_sample_ids:
         args.append("--record-sample-ids")
+    if job.checkpoint.dir:
+        every = (str(job.checkpoint.every_steps) if job.checkpoint.every_steps
+                 else f"{job.checkpoint.every_s!r}s")
+        args += ["--checkpoint-dir", job.checkpoint.dir, "--checkpoint-every", every,
+                 "--checkpoint-keep", str(job.checkpoint.keep or 3)]
     if job.workload.config_json:
         args.append(f"--workload-config={job.workload.config_json}")
     for fault in job.testing.faults:

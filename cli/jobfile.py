@@ -32,9 +32,10 @@ from recover.cli.jobargs import UsageError
 from recover.workloads.tinygpt import config as tinygpt
 
 SECTIONS = {
-    "job": ("replicas", "steps", "global_microbatches", "seed", "reduce", "reduce_dtype",
+    "job": ("replicas", "min_replicas", "spares", "steps", "global_microbatches", "seed",
+            "reduce", "reduce_dtype",
             "check_determinism", "record_sample_ids", "policy", "hang_timeout", "hang_factor",
-            "group_timeout", "job_id"),
+            "group_timeout", "job_id", "checkpoint_dir", "checkpoint_every", "checkpoint_keep"),
     "workload": ("command", "config", *tinygpt.FLAGS),
     "testing": ("kill", "compute_ms"),
 }

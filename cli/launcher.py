@@ -25,7 +25,9 @@ from recover.controller.summary import build_summary, format_summary, write_summ
 from recover.proto import pb
 
 TERMINAL = ("succeeded", "failed")
-SHOWN_EVENTS = ("replica-failed", "generation", "recovered", "agent-lost", "failed", "divergence")
+SHOWN_EVENTS = ("replica-failed", "generation", "recovered", "agent-lost", "failed", "divergence",
+                "replica-joined", "spare-promoted", "state-transfer", "join-abandoned",
+                "checkpoint-written", "resumed")
 
 
 class LaunchError(Exception):
@@ -113,8 +115,9 @@ class Progress:
         if not self.enabled or status.state == "waiting":
             return
         load = " ".join(f"{e.replica}:{e.microbatches}" for e in status.load)
+        joining = f"+{len(status.joining)} joining  " if status.joining else ""
         line = (f"step {status.steps_committed}/{status.steps_total}  loss {status.last_loss:.4f}"
-                f"  gen {status.generation}  live {len(status.live_replicas)}  "
+                f"  gen {status.generation}  live {len(status.live_replicas)}  {joining}"
                 f"microbatches [{load}]  recoveries {status.recoveries}  {status.elapsed_s:.1f}s")
         if self.tty:
             self._clear()
@@ -148,7 +151,14 @@ def check_command(command: list[str]) -> None:
 
 
 def run_local(args: argparse.Namespace) -> int:
-    job_config = job_from_args(args)
+    if args.resume is not None:
+        from recover.cli.resume import resumed_job
+
+        job_config, _, notes = resumed_job(args.resume)
+        for note in notes:
+            print(f"recover run: {note}", file=sys.stderr)
+    else:
+        job_config = job_from_args(args)
     check_command(list(job_config.workload.command))
     try:
         open_store(args.store)
@@ -162,6 +172,8 @@ def run_local(args: argparse.Namespace) -> int:
     agents = args.agents if args.agents is not None else min(2, job_config.replicas)
     if not 1 <= agents <= job_config.replicas:
         raise UsageError(f"--agents must be between 1 and --replicas ({job_config.replicas})")
+    if not 0 <= args.max_restarts <= 1000:
+        raise UsageError(f"--max-restarts must be between 0 and 1000, got {args.max_restarts}")
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -180,14 +192,18 @@ def run_local(args: argparse.Namespace) -> int:
                 python, "-m", "recover.cli.main", "controller",
                 "--port", "0", "--port-file", str(port_file), "--store", args.store,
                 "--controller-id", controller_name(index), "--start-timeout",
-                repr(args.start_timeout), *job_to_args(job_config)])
+                repr(args.start_timeout), "--start-grace", repr(args.start_grace),
+                *(["--resume", job_config.resume.path] if job_config.resume.path else []),
+                *job_to_args(job_config)])
         addresses = [f"127.0.0.1:{_wait_for_port(job, controller_name(i), f)}"
                      for i, f in enumerate(port_files)]
         address = ",".join(addresses)
-        for index, slots in enumerate(split_slots(job_config.replicas, agents)):
+        slots_wanted = job_config.replicas + job_config.spares
+        for index, slots in enumerate(split_slots(slots_wanted, agents)):
             job.start(f"agent-{index}", [
                 python, "-m", "recover.cli.main", "agent", "--controller", address,
-                "--slots", str(slots), "--agent-id", f"host{index}", "--log-dir", str(job.logs)])
+                "--slots", str(slots), "--agent-id", f"host{index}", "--log-dir", str(job.logs),
+                "--max-restarts", str(args.max_restarts)])
         print(f"recover run: job {job_config.job_id}, {job_config.replicas} replicas on {agents} "
               f"agents, controller{'s' if len(addresses) > 1 else ''} {address}, logs in "
               f"{job.logs}", file=sys.stderr)
@@ -259,10 +275,13 @@ def _watch(job: LocalJob, addresses: list[str], progress: Progress) -> pb.RunRep
             if status.state in TERMINAL:
                 return stub.Report(pb.ReportRequest(), timeout=10)
             if status.state == "waiting":
-                dead = [n for n, p in job.processes.items() if p.poll() is not None]
-                if dead:
-                    raise LaunchError(f"{dead[0]} exited before training started: "
-                                      f"{job.log_tail(dead[0])}")
+                # A controller or some agents lost during startup are faults the job rides
+                # out (a standby leads; the job starts without them, or they are replaced);
+                # every agent gone is not.
+                agents = [n for n in job.processes if n.startswith("agent")]
+                if agents and all(job.processes[n].poll() is not None for n in agents):
+                    raise LaunchError(f"every agent exited before training started: "
+                                      f"{job.log_tail(agents[0])}")
             time.sleep(0.2)
     finally:
         if channel is not None:

@@ -50,6 +50,14 @@ def build_parser() -> Parser:
     bench.add_run_mode_arguments(run)
     run.add_argument("--start-timeout", type=positive_seconds, default=120.0,
                      help="seconds the workers get to build their models and report ready")
+    run.add_argument("--max-restarts", type=int, default=3,
+                     help="times each slot's worker is replaced after it dies (default 3)")
+    run.add_argument("--start-grace", type=positive_seconds, default=10.0,
+                     help="after a worker failed during startup: seconds its replacement gets "
+                          "before the job starts without it (default 10)")
+    run.add_argument("--resume", default=None, metavar="DIR",
+                     help="restart a job that lost every replica from its newest intact "
+                          "checkpoint in DIR (the job as checkpointed; other job flags ignored)")
     run.add_argument("--controllers", type=int, default=1,
                      help="controller processes (one leads, the others stand by; needs an etcd "
                           "--store when more than 1)")
@@ -75,6 +83,12 @@ def build_parser() -> Parser:
                      help="this controller's name in the leader election (default: host-pid)")
     ctl.add_argument("--lease-ttl", type=int, default=2,
                      help="leader lease TTL in whole seconds (a crashed leader is replaced after it)")
+    ctl.add_argument("--start-grace", type=positive_seconds, default=10.0,
+                     help="after a worker failed during startup: seconds its replacement gets "
+                          "before the job starts with --min-replicas (default 10)")
+    ctl.add_argument("--resume", default=None, metavar="DIR|FILE",
+                     help="start the job of a checkpoint folder (its newest intact checkpoint) "
+                          "or file, from its step; other job flags are ignored")
     ctl.add_argument("--summary-out", default=None, metavar="DIR",
                      help="write DIR/summary.json when the job ends (as `recover run` does)")
 
@@ -90,6 +104,9 @@ def build_parser() -> Parser:
                        help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (0: any free port)")
     agent.add_argument("--connect-timeout", type=positive_seconds, default=10.0,
                        help="seconds to wait for the controller at start")
+    agent.add_argument("--max-restarts", type=int, default=3,
+                       help="times each slot's worker is replaced after it dies, with backoff "
+                            "(default 3; 0: never)")
     agent.add_argument("worker_command", nargs=argparse.REMAINDER,
                        help="after --: the worker command (default: the job's, set on the "
                             "controller)")
@@ -146,7 +163,14 @@ def _run_controller(args: argparse.Namespace) -> int:
     from recover.controller.server import ControllerConfig, serve
     from recover.controller.store import StoreError, open_store
 
-    job = job_from_args(args)
+    if args.resume is not None:
+        from recover.cli.resume import resumed_job
+
+        job, _, notes = resumed_job(args.resume)
+        for note in notes:
+            print(f"recover controller: {note}", file=sys.stderr)
+    else:
+        job = job_from_args(args)
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port {args.port} is not a port number")
     if args.advertise is not None:
@@ -163,7 +187,7 @@ def _run_controller(args: argparse.Namespace) -> int:
                               start_timeout_s=args.start_timeout, linger_s=args.linger,
                               metrics_port=args.metrics_port, advertise=args.advertise,
                               controller_id=args.controller_id, lease_ttl_s=args.lease_ttl,
-                              summary_dir=args.summary_out)
+                              summary_dir=args.summary_out, start_grace_s=args.start_grace)
     try:
         return asyncio.run(serve(config, job))
     except OSError as exc:
@@ -178,11 +202,14 @@ def _run_agent(args: argparse.Namespace) -> int:
     parse_addresses(args.controller)
     if args.slots < 1:
         raise UsageError(f"--slots must be at least 1, got {args.slots}")
+    if not 0 <= args.max_restarts <= 1000:
+        raise UsageError(f"--max-restarts must be between 0 and 1000, got {args.max_restarts}")
     command = args.worker_command[1:] if args.worker_command[:1] == ["--"] else args.worker_command
     logs.configure("agent")
     config = AgentConfig(controller=args.controller, slots=args.slots,
                          command=command or None, log_dir=args.log_dir,
                          connect_timeout_s=args.connect_timeout, metrics_port=args.metrics_port,
+                         max_restarts=args.max_restarts,
                          **({"agent_id": args.agent_id} if args.agent_id else {}))
     try:
         return asyncio.run(Agent(config).run())

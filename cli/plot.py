@@ -2,7 +2,9 @@
 
 The first run is the reference. A second panel shows each run's absolute
 loss difference from it: a run that keeps the invariant (exact reduction)
-stays at zero, a shrinking-batch run drifts away after its first failure.
+stays at zero, a shrinking-batch run drifts away after its first failure. A
+third shows the replicas that committed each step: capacity lost at a
+failure, back when a restarted or spare replica joined.
 """
 
 from __future__ import annotations
@@ -58,10 +60,11 @@ def _pyplot() -> Any:
 
 def draw(plt: Any, summaries: list[dict[str, Any]], runs: list[str],
          labels: list[str] | None = None) -> Any:
-    """The figure: loss per step on top (failures marked), |loss - reference| below."""
+    """The figure: loss per step on top (failures marked), |loss - reference| in the middle,
+    live replicas per step below."""
     reference = summaries[0]["loss_per_step"]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True,
-                                      gridspec_kw={"height_ratios": [3, 2]})
+    fig, (top, bottom, strength) = plt.subplots(3, 1, figsize=(9, 9), sharex=True,
+                                                gridspec_kw={"height_ratios": [3, 2, 1.4]})
     for index, (summary, run) in enumerate(zip(summaries, runs, strict=True)):
         label = labels[index] if labels else label_of(summary, run)
         losses = summary["loss_per_step"]
@@ -70,6 +73,10 @@ def draw(plt: Any, summaries: list[dict[str, Any]], runs: list[str],
         diffs = [max(abs(a - b), FLOOR) for a, b in zip(losses, reference, strict=False)]
         if index:
             bottom.plot(range(len(diffs)), diffs, color=line.get_color(), label=label, **style)
+        replicas = summary.get("replicas_per_step") or []  # absent in older summaries
+        if replicas:
+            strength.step(range(len(replicas)), replicas, where="post", color=line.get_color(),
+                          label=label, linewidth=style["linewidth"])
         for failure in summary["failures"]:
             step = failure["step"]
             if step < len(losses):
@@ -81,7 +88,9 @@ def draw(plt: Any, summaries: list[dict[str, Any]], runs: list[str],
     bottom.set_yscale("log")
     bottom.set_ylim(FLOOR / 2, None)
     bottom.set_ylabel(f"|loss - {Path(runs[0]).name}|\n(bottom line: identical)")
-    bottom.set_xlabel("step")
     bottom.legend(fontsize=8)
+    strength.set_ylabel("live replicas")
+    strength.set_xlabel("step")
+    strength.yaxis.get_major_locator().set_params(integer=True)
     fig.tight_layout()
     return fig

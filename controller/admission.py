@@ -1,10 +1,13 @@
-"""Admission policy: may a new agent join the job, and which replica ids does it host?
+"""Admission policy: who may bring replicas into the job, and when the job starts.
 
-A pure function of what the controller knows, returning the decision and its
-reason (the reason is what a refused agent prints), tested table-style.
-Replicas join only before training starts: rejoining a running job is not
-supported yet, and during a leader takeover only the agents the previous
-leader knew may come back (takeover.py).
+Pure functions of what the controller knows, returning the decision and its
+reason (the reason is what a refused agent prints, and what the events log
+says), tested table-style. The job wants `replicas` members plus `spares`
+hot spares (its capacity); an agent's slots, a dead worker's replacement and a
+new host's slots all get fresh replica ids while the job is below capacity.
+Replicas that arrive after the start join with live state transfer
+(joins.py). During a leader takeover only the agents the previous leader knew
+may come back (takeover.py).
 """
 
 from __future__ import annotations
@@ -12,13 +15,13 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from recover.controller.jobstate import JobState
+from recover.controller.jobstate import TERMINAL, JobState
 
 
 @dataclass(frozen=True)
 class Admission:
     replica_ids: tuple[int, ...]
-    """The replica ids the agent hosts; empty when it is refused."""
+    """The replica ids granted; empty when refused."""
     reason: str
     """Why, for the agent's error message and the events log."""
 
@@ -27,20 +30,85 @@ class Admission:
         return bool(self.replica_ids)
 
 
-def admit_agent(agent_id: str, host: str, slots: int, *, job_id: str, job_state: JobState,
-                taking_over: bool, known_agents: Collection[str], wanted_replicas: int,
-                hosted_replicas: int) -> Admission:
-    """Replica ids are handed out in registration order: 0..R-1 over all agents."""
+@dataclass(frozen=True)
+class Capacity:
+    """How many replicas the job wants and has, and the next free replica id."""
+
+    wanted: int
+    """Members (`replicas`) plus hot spares."""
+    live: int
+    """Replicas alive now: members, joiners, spares, and any not started yet."""
+    next_id: int
+    """Ids are never reused: a replacement is a new replica (old reports cannot be mistaken
+    for its own)."""
+
+    def room(self) -> int:
+        return max(self.wanted - self.live, 0)
+
+
+def _closed(job_id: str, job_state: JobState, taking_over: bool) -> str | None:
     if taking_over:
-        return Admission((), f"job {job_id} is taking over after a leader change")
-    if job_state is not JobState.WAITING:
-        return Admission((), f"job {job_id} is {job_state}; replicas cannot join a started job yet")
+        return f"job {job_id} is taking over after a leader change"
+    if job_state in TERMINAL:
+        return f"job {job_id} is {job_state}"
+    return None
+
+
+def admit_agent(agent_id: str, host: str, slots: int, *, job_id: str, job_state: JobState,
+                taking_over: bool, known_agents: Collection[str], capacity: Capacity) -> Admission:
+    """A new agent's slots: fresh replica ids, as many as the job has room for."""
+    closed = _closed(job_id, job_state, taking_over)
+    if closed is not None:
+        return Admission((), closed)
     if agent_id in known_agents:
         return Admission((), f"agent id {agent_id!r} is already registered")
     if slots < 1:
         return Admission((), f"an agent needs at least one slot, got {slots}")
-    if slots > wanted_replicas - hosted_replicas:
-        return Admission((), f"job needs {wanted_replicas} replicas and has {hosted_replicas}; "
+    if slots > capacity.room():
+        return Admission((), f"job wants {capacity.wanted} replicas and has {capacity.live}; "
                              f"{slots} more slots do not fit")
-    ids = tuple(range(hosted_replicas, hosted_replicas + slots))
-    return Admission(ids, f"agent {agent_id} on {host}: replicas {list(ids)}")
+    ids = tuple(range(capacity.next_id, capacity.next_id + slots))
+    joins = " (they join the running job)" if job_state is JobState.RUNNING else ""
+    return Admission(ids, f"agent {agent_id} on {host}: replicas {list(ids)}{joins}")
+
+
+def admit_replacement(agent_id: str, slot: int, *, agent_alive: bool, job_id: str,
+                      job_state: JobState, taking_over: bool, capacity: Capacity) -> Admission:
+    """A restarted worker on `slot` of a live agent: one fresh replica id if there is room."""
+    closed = _closed(job_id, job_state, taking_over)
+    if closed is not None:
+        return Admission((), closed)
+    if not agent_alive:
+        return Admission((), f"agent {agent_id} is not part of the job (declared lost?)")
+    if capacity.room() < 1:
+        return Admission((), f"job has its {capacity.wanted} replicas")
+    return Admission((capacity.next_id,), f"agent {agent_id} slot {slot}: new replica "
+                                          f"{capacity.next_id}")
+
+
+@dataclass(frozen=True)
+class StartDecision:
+    start: bool
+    reason: str
+
+
+def start_decision(*, ready: int, live: int, target: int, min_replicas: int,
+                   startup_failure_for_s: float | None, grace_s: float) -> StartDecision:
+    """Start when every live replica is ready and there are `target` of them; after a
+    worker failed during startup, also with fewer (at least `min_replicas`) once its
+    replacement had `grace_s` to arrive: the late ones join the running job."""
+    if ready < live:
+        return StartDecision(False, f"{ready} of {live} replicas ready")
+    if ready >= target:
+        return StartDecision(True, f"{ready} replicas ready")
+    floor = max(min_replicas, 1)
+    if startup_failure_for_s is None:
+        return StartDecision(False, f"{ready} of {target} replicas ready")
+    if ready < floor:
+        return StartDecision(False, f"{ready} replicas ready, at least {floor} needed "
+                                    "(--min-replicas)")
+    if startup_failure_for_s < grace_s:
+        return StartDecision(False, f"{ready} of {target} ready; waiting up to {grace_s:.0f}s for "
+                                    "the replacement of a worker that failed during startup")
+    return StartDecision(True, f"starting with {ready} of {target} replicas (a worker failed "
+                               f"during startup); the others join when they are ready")

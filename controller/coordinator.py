@@ -20,18 +20,18 @@ import time
 from collections.abc import Callable
 
 from recover.controller import policy, worker_errors
-from recover.controller.admission import admit_agent
 from recover.controller.events import EventLog
 from recover.controller.jobstate import (
     TERMINAL,
     AgentInfo,
     JobState,
-    RegistrationRefused,
     ReplicaInfo,
     StepProgress,
     plan_message,
     step_record,
 )
+from recover.controller.joinflow import JoinFlow
+from recover.controller.membership import Membership
 from recover.controller.recoveries import RecoveryTracker, observed_phase
 from recover.controller.store import Store
 from recover.controller.takeover import PersistedJob, Takeover
@@ -42,7 +42,7 @@ log = logging.getLogger("recover.controller")
 Send = Callable[[str, pb.ControllerMessage], None]
 
 
-class Coordinator:
+class Coordinator(Membership):
     def __init__(
         self,
         job: pb.JobConfig,
@@ -88,12 +88,30 @@ class Coordinator:
         """What the workers train, from the first `ready` report."""
         self._errors: dict[worker_errors.ErrorKey, int] = {}
         """Errors in the user's code so far, and the replica that reported each first."""
+        self.joins = JoinFlow(self)
+        """Replicas joining the running job (restarts, replacement hosts, hot spares)."""
+        self.last_checkpoint: pb.CheckpointWritten | None = None
+        self.startup_failed_at: float | None = None
+        """When a worker last failed before the job started (admission.start_decision)."""
 
     def restore(self, persisted: PersistedJob) -> None:
         """Take over from a previous leader: rebuild the job's state from what it persisted."""
         # The agents notice the old leader's silence about when we win the
         # election; give them their own timeout and then some to rejoin.
         self.takeover = Takeover(self, persisted, self._clock() + 2 * self._agent_timeout_s)
+
+    def checkpoint_written(self, replica: int, written: pb.CheckpointWritten) -> None:
+        self.last_checkpoint = written
+        self.events.emit("checkpoint-written", f"{written.path}: {written.bytes} bytes written in "
+                         f"{written.write_s:.2f}s in the background ({written.snapshot_s * 1000:.1f}"
+                         " ms copying at the step boundary)", step=written.step, replica=replica)
+
+    def resume_from(self, checkpoint: pb.CheckpointMeta) -> None:
+        """Start from a checkpoint's step, its ledger as the steps committed before it."""
+        self.steps = list(checkpoint.ledger)
+        self.step = checkpoint.step
+        self.events.emit("resumed", f"from the checkpoint of step {checkpoint.step} "
+                         f"({len(self.steps)} steps in its ledger)", step=checkpoint.step)
 
     @property
     def failures(self) -> list[pb.FailureRecord]:
@@ -102,119 +120,7 @@ class Coordinator:
     def send_to(self, agent_id: str, message: pb.ControllerMessage) -> None:
         self._send(agent_id, message)
 
-    # ------------------------------------------------------------ agents
-
-    async def register_agent(self, agent_id: str, host: str, slots: int,
-                             resume: list[int] | None = None) -> list[int]:
-        """A new agent joins (`resume` None), or one whose workers kept running rejoins a new leader."""
-        if resume is not None:
-            if self.takeover is None:
-                raise RegistrationRefused(f"agent {agent_id!r} cannot rejoin: this leader has run "
-                                          "the job since it started and did not expect it")
-            ids = await self.takeover.rejoin(agent_id, host, resume)
-            await self._maybe_end_takeover()
-            return ids
-        admission = admit_agent(
-            agent_id, host, slots, job_id=self.job.job_id, job_state=self.state,
-            taking_over=self.takeover is not None and self.takeover.persisted.view is not None,
-            known_agents=self.agents.keys(), wanted_replicas=self.job.replicas,
-            hosted_replicas=len(self.replicas))
-        if not admission.admitted:
-            raise RegistrationRefused(admission.reason)
-        ids = list(admission.replica_ids)
-        self.agents[agent_id] = AgentInfo(agent_id, host, ids, self._clock())
-        for replica in ids:
-            self.replicas[replica] = ReplicaInfo(replica, agent_id)
-        # Persisted before the agent learns its replicas: a new leader must know who hosts them.
-        record = pb.AgentRecord(agent_id=agent_id, host=host, replica_ids=ids)
-        await self._store.put_many([(self._prefix + "job", self.job.SerializeToString()),
-                                    (f"{self._prefix}agents/{agent_id}", record.SerializeToString())])
-        self.events.emit("agent-registered", admission.reason)
-        self._send(agent_id, pb.ControllerMessage(
-            registered=pb.Registered(replica_ids=ids, job=self.job)))
-        return ids
-
-    async def _maybe_end_takeover(self) -> None:
-        if self.takeover is not None and self.takeover.ready_to_finish():
-            await self.takeover.finish()
-
-    def heartbeat(self, agent_id: str) -> None:
-        agent = self.agents.get(agent_id)
-        if agent is not None:
-            agent.last_heartbeat = self._clock()
-
-    async def agent_lost(self, agent_id: str, why: str) -> None:
-        agent = self.agents.get(agent_id)
-        if agent is None or not agent.alive:
-            return
-        agent.alive = False
-        if self.state in TERMINAL:
-            return
-        self.events.emit("agent-lost", f"agent {agent_id}: {why}", level=logging.WARNING)
-        # Fencing: should the host wake up (it was only stopped, or cut off), it
-        # must stop its workers rather than act on a membership it is no longer in.
-        self._send(agent_id, pb.ControllerMessage(shutdown=pb.Shutdown(
-            reason=f"this agent was declared lost ({why})", success=False)))
-        lost = [r for r in agent.replicas if self.replicas[r].alive]
-        for replica in lost:
-            self.record_failure(replica, "agent-lost", None)
-        await self._lose(lost, f"agent {agent_id} lost ({why})")
-
-    async def check_liveness(self) -> None:
-        """Declare agents whose heartbeats went silent lost."""
-        await self._maybe_end_takeover()
-        now = self._clock()
-        for agent in list(self.agents.values()):
-            silent = now - agent.last_heartbeat
-            if agent.alive and silent > self._agent_timeout_s:
-                await self.agent_lost(agent.agent_id, f"no heartbeat for {silent:.1f}s")
-        if self.state is JobState.WAITING and now - self.created_at > self.start_timeout_s:
-            ready = sum(r.ready for r in self.replicas.values())
-            await self.fail(
-                f"only {ready} of {self.job.replicas} replicas were ready after "
-                f"{self.start_timeout_s:.0f}s ({len(self.replicas)} hosted by the agents that "
-                "registered): are the agents running, or does building the model take longer "
-                "(--start-timeout)?")
-
-    start_timeout_s: float = 120.0
-
     # ------------------------------------------------------------ worker reports
-
-    async def worker_ready(self, replica: int, ready: pb.Ready) -> None:
-        info = self.replicas.get(replica)
-        if info is None or not info.alive or self.state is not JobState.WAITING:
-            self.stale_reports += 1
-            return
-        info.ready, info.pid = True, ready.pid
-        self.events.emit("replica-ready", f"pid {ready.pid}, params {ready.param_sha256[:12]}",
-                         replica=replica)
-        if not self.workload.parameters:
-            self.workload.CopyFrom(ready.workload)
-        mismatch = worker_errors.determinism_mismatch(
-            replica, ready.workload.determinism_sha256, self.workload.determinism_sha256)
-        if mismatch is not None and self.job.reduce == "exact":
-            await self.fail(mismatch)
-            return
-        if mismatch is not None:  # fast mode promises no bitwise equality: say it, go on
-            self.events.emit("nondeterminism", mismatch, replica=replica, level=logging.WARNING)
-        if len(self.replicas) == self.job.replicas and all(
-                r.ready for r in self.replicas.values()):
-            await self._start()
-
-    async def worker_exited(self, exited: pb.WorkerExited) -> None:
-        info = self.replicas.get(exited.replica)
-        if info is None or not info.alive:
-            return
-        verdict = worker_errors.judge_exit(exited, training=self.state is not JobState.WAITING,
-                                           earlier_errors=self._errors)
-        for key in worker_errors.error_keys(exited.error) if exited.HasField("error") else ():
-            self._errors.setdefault(key, exited.replica)
-        self.record_failure(exited.replica, worker_errors.failure_cause(exited), exited)
-        if verdict.fatal:
-            info.alive = False
-            await self.fail(verdict.reason)
-            return
-        await self._lose([exited.replica], verdict.reason)
 
     async def resumed(self, replica: int, msg: pb.Resumed) -> None:
         if msg.generation != self.generation or replica not in self.members:
@@ -253,15 +159,18 @@ class Coordinator:
 
     # ------------------------------------------------------------ transitions
 
-    async def _start(self) -> None:
+    async def _start(self, why: str) -> None:
         self.state = JobState.RUNNING
         self.started_at = self._clock()
-        members = sorted(self.replicas)
+        ready = sorted(r for r, info in self.replicas.items() if info.alive and info.ready)
+        members, spares = ready[:self.job.replicas], ready[self.job.replicas:]
         decision = policy.uniform_plan(members, self.job.global_microbatches)
-        self.events.emit("started", f"{len(members)} replicas; {decision.reason}")
+        self.events.emit("started", f"{why}; {len(members)} members; {decision.reason}")
         # For a new leader's summary: what the workers train is known only from `ready`.
         await self._store.put(self._prefix + "workload", self.workload.SerializeToString())
         await self.new_generation(members, decision)
+        for spare in spares:  # hot spares: they catch up from the first step on
+            self.joins.add(spare, self.replicas[spare].transfer_address)
 
     async def new_generation(self, members: list[int], decision: policy.PlanDecision) -> None:
         self.generation += 1
@@ -280,13 +189,20 @@ class Coordinator:
     async def _lose(self, lost: list[int], why: str) -> None:
         for replica in lost:
             self.replicas[replica].alive = False
-        if self.state in TERMINAL or not lost or self.takeover is not None:
+            self.joins.forget(replica)
+        lost = [r for r in lost if r in self.members]  # a joiner's loss changes no generation
+        if self.state is not JobState.RUNNING or not lost or self.takeover is not None:
             return  # during a takeover, its end plans around every replica lost meanwhile
-        if self.state is JobState.WAITING:
-            await self.fail(f"{why} before training started")
-            return
         survivors = [m for m in self.members if self.replicas[m].alive]
         if not survivors:
+            # Spares holding the state of this very step carry the job on alone: the step
+            # starts over on them (nothing of it survived anyway).
+            spares = self.joins.entering(self.step, replacing=True)
+            if spares:
+                self.recoveries += 1
+                await self.new_generation(spares, policy.uniform_plan(
+                    spares, self.job.global_microbatches))
+                return
             await self.fail(f"all replicas lost (last: {why})")
             return
         if self.step >= self.job.steps:
@@ -334,13 +250,19 @@ class Coordinator:
         self.scale_epoch = 0
         final = self.step >= job.steps
         commit = pb.Commit(step=step, generation=self.generation, final=final,
-                           microbatches=record.microbatches, tokens=record.tokens)
-        if not final:
+                           microbatches=record.microbatches, tokens=record.tokens, record=record)
+        commit.record.ClearField("sample_ids")  # the digest is the ledger entry workers keep
+        entering = self.joins.entering(self.step, final=final)
+        if not final and not entering:
             decision = policy.uniform_plan(self.members, job.global_microbatches)
             self.plan = dict(decision.assignment)
             commit.next_plan.CopyFrom(plan_message(self.step, self.generation, 0, decision))
         self._progress.reduced.clear()
         self.broadcast(pb.ControllerMessage(commit=commit))
+        if entering:  # joiners enter at the step boundary: a new generation with them
+            members = sorted([*self.members, *entering])
+            await self.new_generation(members, policy.uniform_plan(members,
+                                                                   job.global_microbatches))
 
     async def _redo_overflowed_step(self, reports: list[pb.Reduced]) -> None:
         """Exact reduction overflowed its predicted scale: redo the step at a lower one.

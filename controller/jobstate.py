@@ -16,8 +16,9 @@ from recover.proto import pb
 class JobState(StrEnum):
     """Lifecycle of the job.
 
-    WAITING -> RUNNING    every expected replica attached and reported ready
-    WAITING -> FAILED     a worker exited before training started, or start timed out
+    WAITING -> RUNNING    every expected replica reported ready (or, after a worker failed
+                          during startup, at least min_replicas did: admission.py)
+    WAITING -> FAILED     a worker's script failed before training started, or start timed out
     RUNNING -> SUCCEEDED  every live replica applied the final step
     RUNNING -> FAILED     no live replica left, or a commit broke the invariant
     """
@@ -42,6 +43,10 @@ class ReplicaInfo:
     ready: bool = False
     alive: bool = True
     pid: int = 0
+    slot: int = 0
+    """Its slot on the agent (a restart gets a new replica on the same slot)."""
+    transfer_address: str = ""
+    """Where it accepts a donor's state (from its `ready`)."""
 
 
 @dataclass
@@ -77,7 +82,7 @@ def step_record(job: pb.JobConfig, step: int, generation: int, reports: list[pb.
         loss=reports[0].loss, committed_at=committed_at,
         tokens=sum(r.tokens for r in reports),
         compute_s=max(r.compute_s for r in reports), reduce_s=min(r.reduce_s for r in reports),
-        sample_ids=sample_ids if job.record_sample_ids else [])
+        sample_ids=sample_ids if job.record_sample_ids else [], replicas=len(reports))
 
 
 @dataclass

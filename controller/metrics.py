@@ -23,6 +23,12 @@ walks the coordinator's state. Names (all prefixed `recover_`):
 | `recover_controller_is_leader` | gauge | 1 on the leading controller, 0 on a standby (every controller) |
 | `recover_controller_fenced_writes_total` | counter | store writes refused: no longer the leader |
 | `recover_job_state` | gauge, by state | 1 for the job's current state |
+| `recover_joining_replicas` | gauge | replicas joining (transferring state or catching up) |
+| `recover_live_spares` | gauge | hot spares: caught up, waiting for a member's place |
+| `recover_joins_total` | counter | replicas that joined the running job (spares promoted included) |
+| `recover_joins_abandoned_total` | counter | joins given up after their attempts |
+| `recover_state_transfer_seconds` | histogram | time to transfer a donor's snapshot to a joiner |
+| `recover_last_checkpoint_step` | gauge | step of the newest checkpoint written (-1: none) |
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from recover.controller.leader import LeaderElection
 from recover.controller.recoveries import PHASES
 
 RECOVERY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+TRANSFER_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
 class ControllerCollector(Collector):
@@ -103,6 +110,22 @@ class ControllerCollector(Collector):
         yield CounterMetricFamily("recover_exact_redos", "Steps redone after an exact overflow",
                                   value=c.redos)
         yield gauge("recover_leader_term", "Leadership term (0: single controller)", self.leader_term)
+        joins = c.joins
+        spares = joins.spares
+        yield gauge("recover_joining_replicas", "Replicas joining the running job",
+                    len(joins.joins) - len(spares))
+        yield gauge("recover_live_spares", "Hot spares caught up", len(spares))
+        yield CounterMetricFamily("recover_joins", "Replicas that joined the running job",
+                                  value=joins.joined)
+        yield CounterMetricFamily("recover_joins_abandoned", "Joins given up", value=joins.abandoned)
+        seconds = [s for _, s in joins.transfers]
+        transfer = HistogramMetricFamily("recover_state_transfer_seconds",
+                                         "Snapshot transfer time from donor to joiner")
+        transfer.add_metric([], [(str(b), sum(v <= b for v in seconds)) for b in TRANSFER_BUCKETS]
+                            + [("+Inf", len(seconds))], sum_value=sum(seconds))
+        yield transfer
+        yield gauge("recover_last_checkpoint_step", "Step of the newest checkpoint written",
+                    c.last_checkpoint.step if c.last_checkpoint is not None else -1)
         state = GaugeMetricFamily("recover_job_state", "1 for the job's current state",
                                   labels=["state"])
         for value in JobState:

@@ -16,6 +16,7 @@ from typing import TypeVar
 import grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
+from recover.common import ckptfile
 from recover.controller import takeover
 from recover.controller.coordinator import Coordinator, JobState
 from recover.controller.leader import ElectionConfig, LeaderElection, LeaderStore, LostLeadership
@@ -65,6 +66,9 @@ class ControllerConfig:
     """Leader lease TTL in seconds: a crashed leader is replaced about this long after."""
     summary_dir: str | None = None
     """Write SUMMARY_DIR/summary.json when the job ends (None: don't)."""
+    start_grace_s: float = 10.0
+    """After a worker failed during startup: how long its replacement gets before the job
+    starts with fewer replicas (admission.start_decision)."""
 
 
 async def wait_for_store(store: Store, url: str, retry_s: float = 2.0) -> None:
@@ -175,9 +179,12 @@ async def _lead(config: ControllerConfig, job: pb.JobConfig, election: LeaderEle
     coordinator = Coordinator(job, store, sessions.send, rendezvous.address,
                               agent_timeout_s=config.agent_timeout_s)
     coordinator.start_timeout_s = config.start_timeout_s
+    coordinator.start_grace_s = config.start_grace_s
     persisted = await takeover.load(store, f"/recover/{job.job_id}/")
     if not persisted.empty:
         coordinator.restore(persisted)
+    elif job.resume.path:
+        coordinator.resume_from(ckptfile.read_meta(Path(job.resume.path), verify=False)[0])
     sessions.lead(coordinator)
     with contextlib.suppress(KeyError):
         registry.unregister(sessions.collector)  # type: ignore[arg-type]

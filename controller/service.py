@@ -9,7 +9,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from recover.controller.coordinator import Coordinator, RegistrationRefused
+from recover.controller.coordinator import Coordinator
+from recover.controller.jobstate import RegistrationRefused
 from recover.controller.leader import LeaderElection, LostLeadership
 from recover.controller.store import StoreError
 from recover.proto import pb, rpc
@@ -160,6 +161,8 @@ class AgentSessions(rpc.AgentSessionServicer):
             coordinator.heartbeat(agent_id)  # any message proves the agent alive
             if kind == "worker_exited":
                 await coordinator.worker_exited(message.worker_exited)
+            elif kind == "replica_request":
+                await coordinator.replica_request(agent_id, message.replica_request)
             elif kind == "report":
                 report = message.report
                 which = report.WhichOneof("kind")
@@ -171,6 +174,12 @@ class AgentSessions(rpc.AgentSessionServicer):
                     await coordinator.resumed(report.replica, report.resumed)
                 elif which == "ready":
                     await coordinator.worker_ready(report.replica, report.ready)
+                elif which == "join_progress":
+                    coordinator.joins.progress(report.replica, report.join_progress)
+                elif which == "join_failed":
+                    coordinator.joins.failed(report.replica, report.join_failed)
+                elif which == "checkpoint_written":
+                    coordinator.checkpoint_written(report.replica, report.checkpoint_written)
 
 
 class ControlService(rpc.ControlServicer):
@@ -242,7 +251,8 @@ def job_status(c: Coordinator) -> pb.JobStatus:
         generation=c.generation,
         steps_committed=len(c.steps),
         steps_total=c.job.steps,
-        live_replicas=[r for r, info in sorted(c.replicas.items()) if info.alive],
+        live_replicas=[r for r, info in sorted(c.replicas.items())
+                       if info.alive and r not in c.joins.joins],
         load=[pb.ReplicaLoad(replica=r, microbatches=len(ids)) for r, ids in sorted(c.plan.items())],
         recoveries=c.recoveries,
         last_loss=c.steps[-1].loss if c.steps else 0.0,
@@ -250,4 +260,5 @@ def job_status(c: Coordinator) -> pb.JobStatus:
         elapsed_s=now - c.started_at if c.started_at else 0.0,
         agents=sum(a.alive for a in c.agents.values()),
         redos=c.redos,
+        joining=sorted(c.joins.joins),
     )

@@ -98,6 +98,8 @@ def build_summary(report: pb.RunReport, wall_s: float) -> dict[str, Any]:
         if report.job.record_sample_ids else None,
         "loss_per_step": [record.loss for record in steps],
         "generation_per_step": [record.generation for record in steps],
+        # Members that committed each step: the job's strength over time (failures, joins).
+        "replicas_per_step": [record.replicas for record in steps],
         "step_time": step_time(steps),
         # Per step: the slowest replica's compute, and the commit round trip (reduced
         # reported -> commit received); bench recovery splits recoveries with them.

@@ -5,9 +5,11 @@ microbatches. But some exits are the workload's own bug, and recovering from
 them would only lose replica after replica: a broken contract (a non-scalar
 loss) fails the same everywhere; a loss function that raises on the same
 microbatch on two replicas is deterministic, not a flaky GPU; and a worker
-that dies before training starts has nothing to recover yet (a script that
-never calls the API, an import error). Those end the job with one line that
-names the problem.
+that exits on its own before training starts (a script that never calls the
+API, an import error, a command that cannot run) would do so again. Those end
+the job with one line that names the problem. A worker *killed* during
+startup is a fault like any other: its agent restarts it, or the job starts
+without it (admission.py).
 """
 
 from __future__ import annotations
@@ -85,7 +87,12 @@ def judge_exit(exited: pb.WorkerExited, *, training: bool,
         return ExitVerdict(True, f"replica {replica}: {error.message} (before training started)")
     if training:
         return ExitVerdict(False, f"replica {replica} exited ({_how(exited)})")
-    clean = exited.exit_code == 0 and not exited.signal
+    if exited.signal or (exited.attached and exited.exit_code != 0):
+        # Killed, or crashed inside the library before it could report: a fault, not the
+        # script's mistake; its agent may restart it, or the job starts without it.
+        return ExitVerdict(False, f"replica {replica} exited ({_how(exited)}) before training "
+                                  "started")
+    clean = exited.exit_code == 0
     if not exited.attached and clean:
         return ExitVerdict(True, f"replica {replica}: the worker command exited (exit code 0) "
                                  "without calling recover.trainer.init(): is it a ReCoVer "

@@ -37,7 +37,7 @@ class TestingConfig(_message.Message):
     def __init__(self, faults: _Optional[_Iterable[_Union[FaultSpec, _Mapping]]] = ..., compute_ms: _Optional[float] = ...) -> None: ...
 
 class JobConfig(_message.Message):
-    __slots__ = ("job_id", "replicas", "steps", "global_microbatches", "seed", "reduce", "group_timeout_s", "policy", "hang_timeout_s", "hang_factor", "workload", "testing", "reduce_dtype", "check_determinism", "record_sample_ids")
+    __slots__ = ("job_id", "replicas", "steps", "global_microbatches", "seed", "reduce", "group_timeout_s", "policy", "hang_timeout_s", "hang_factor", "workload", "testing", "reduce_dtype", "check_determinism", "record_sample_ids", "min_replicas", "spares", "checkpoint", "resume")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,10 @@ class JobConfig(_message.Message):
     REDUCE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     CHECK_DETERMINISM_FIELD_NUMBER: _ClassVar[int]
     RECORD_SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
+    MIN_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    SPARES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     replicas: int
     steps: int
@@ -68,7 +72,47 @@ class JobConfig(_message.Message):
     reduce_dtype: str
     check_determinism: bool
     record_sample_ids: bool
-    def __init__(self, job_id: _Optional[str] = ..., replicas: _Optional[int] = ..., steps: _Optional[int] = ..., global_microbatches: _Optional[int] = ..., seed: _Optional[int] = ..., reduce: _Optional[str] = ..., group_timeout_s: _Optional[float] = ..., policy: _Optional[str] = ..., hang_timeout_s: _Optional[float] = ..., hang_factor: _Optional[float] = ..., workload: _Optional[_Union[WorkloadSpec, _Mapping]] = ..., testing: _Optional[_Union[TestingConfig, _Mapping]] = ..., reduce_dtype: _Optional[str] = ..., check_determinism: _Optional[bool] = ..., record_sample_ids: _Optional[bool] = ...) -> None: ...
+    min_replicas: int
+    spares: int
+    checkpoint: CheckpointConfig
+    resume: ResumePoint
+    def __init__(self, job_id: _Optional[str] = ..., replicas: _Optional[int] = ..., steps: _Optional[int] = ..., global_microbatches: _Optional[int] = ..., seed: _Optional[int] = ..., reduce: _Optional[str] = ..., group_timeout_s: _Optional[float] = ..., policy: _Optional[str] = ..., hang_timeout_s: _Optional[float] = ..., hang_factor: _Optional[float] = ..., workload: _Optional[_Union[WorkloadSpec, _Mapping]] = ..., testing: _Optional[_Union[TestingConfig, _Mapping]] = ..., reduce_dtype: _Optional[str] = ..., check_determinism: _Optional[bool] = ..., record_sample_ids: _Optional[bool] = ..., min_replicas: _Optional[int] = ..., spares: _Optional[int] = ..., checkpoint: _Optional[_Union[CheckpointConfig, _Mapping]] = ..., resume: _Optional[_Union[ResumePoint, _Mapping]] = ...) -> None: ...
+
+class CheckpointConfig(_message.Message):
+    __slots__ = ("dir", "every_steps", "every_s", "keep")
+    DIR_FIELD_NUMBER: _ClassVar[int]
+    EVERY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    EVERY_S_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
+    dir: str
+    every_steps: int
+    every_s: float
+    keep: int
+    def __init__(self, dir: _Optional[str] = ..., every_steps: _Optional[int] = ..., every_s: _Optional[float] = ..., keep: _Optional[int] = ...) -> None: ...
+
+class ResumePoint(_message.Message):
+    __slots__ = ("path", "step")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    step: int
+    def __init__(self, path: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class CheckpointMeta(_message.Message):
+    __slots__ = ("job", "step", "state", "ledger", "created_at", "writer")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LEDGER_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    WRITER_FIELD_NUMBER: _ClassVar[int]
+    job: JobConfig
+    step: int
+    state: StateManifest
+    ledger: _containers.RepeatedCompositeFieldContainer[StepRecord]
+    created_at: float
+    writer: int
+    def __init__(self, job: _Optional[_Union[JobConfig, _Mapping]] = ..., step: _Optional[int] = ..., state: _Optional[_Union[StateManifest, _Mapping]] = ..., ledger: _Optional[_Iterable[_Union[StepRecord, _Mapping]]] = ..., created_at: _Optional[float] = ..., writer: _Optional[int] = ...) -> None: ...
 
 class Assignment(_message.Message):
     __slots__ = ("replica", "microbatch_ids")
@@ -105,20 +149,22 @@ class GenerationView(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., rendezvous: _Optional[str] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ...) -> None: ...
 
 class Commit(_message.Message):
-    __slots__ = ("step", "generation", "next_plan", "final", "microbatches", "tokens")
+    __slots__ = ("step", "generation", "next_plan", "final", "microbatches", "tokens", "record")
     STEP_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     NEXT_PLAN_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RECORD_FIELD_NUMBER: _ClassVar[int]
     step: int
     generation: int
     next_plan: Plan
     final: bool
     microbatches: int
     tokens: int
-    def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., next_plan: _Optional[_Union[Plan, _Mapping]] = ..., final: _Optional[bool] = ..., microbatches: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
+    record: StepRecord
+    def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., next_plan: _Optional[_Union[Plan, _Mapping]] = ..., final: _Optional[bool] = ..., microbatches: _Optional[int] = ..., tokens: _Optional[int] = ..., record: _Optional[_Union[StepRecord, _Mapping]] = ...) -> None: ...
 
 class Shutdown(_message.Message):
     __slots__ = ("reason", "success")
@@ -141,14 +187,160 @@ class WorkloadInfo(_message.Message):
     def __init__(self, parameters: _Optional[int] = ..., gradient_buckets: _Optional[_Iterable[str]] = ..., samples_per_microbatch: _Optional[int] = ..., determinism_sha256: _Optional[str] = ...) -> None: ...
 
 class Ready(_message.Message):
-    __slots__ = ("param_sha256", "pid", "workload")
+    __slots__ = ("param_sha256", "pid", "workload", "transfer_address")
     PARAM_SHA256_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     WORKLOAD_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     param_sha256: str
     pid: int
     workload: WorkloadInfo
-    def __init__(self, param_sha256: _Optional[str] = ..., pid: _Optional[int] = ..., workload: _Optional[_Union[WorkloadInfo, _Mapping]] = ...) -> None: ...
+    transfer_address: str
+    def __init__(self, param_sha256: _Optional[str] = ..., pid: _Optional[int] = ..., workload: _Optional[_Union[WorkloadInfo, _Mapping]] = ..., transfer_address: _Optional[str] = ...) -> None: ...
+
+class Donate(_message.Message):
+    __slots__ = ("donor", "joiner", "address", "token")
+    DONOR_FIELD_NUMBER: _ClassVar[int]
+    JOINER_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    donor: int
+    joiner: int
+    address: str
+    token: str
+    def __init__(self, donor: _Optional[int] = ..., joiner: _Optional[int] = ..., address: _Optional[str] = ..., token: _Optional[str] = ...) -> None: ...
+
+class Join(_message.Message):
+    __slots__ = ("joiner", "donor", "token")
+    JOINER_FIELD_NUMBER: _ClassVar[int]
+    DONOR_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    joiner: int
+    donor: int
+    token: str
+    def __init__(self, joiner: _Optional[int] = ..., donor: _Optional[int] = ..., token: _Optional[str] = ...) -> None: ...
+
+class JoinProgress(_message.Message):
+    __slots__ = ("step", "snapshot_bytes", "snapshot_s", "donor")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_S_FIELD_NUMBER: _ClassVar[int]
+    DONOR_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    snapshot_bytes: int
+    snapshot_s: float
+    donor: int
+    def __init__(self, step: _Optional[int] = ..., snapshot_bytes: _Optional[int] = ..., snapshot_s: _Optional[float] = ..., donor: _Optional[int] = ...) -> None: ...
+
+class JoinFailed(_message.Message):
+    __slots__ = ("donor", "reason")
+    DONOR_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    donor: int
+    reason: str
+    def __init__(self, donor: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class TensorMeta(_message.Message):
+    __slots__ = ("dtype", "shape", "nbytes")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    nbytes: int
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class StateNode(_message.Message):
+    __slots__ = ("tensor", "int_value", "float_value", "string_value", "bool_value", "none", "bytes_value", "sequence", "mapping", "int_mapping")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    INT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    FLOAT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    STRING_VALUE_FIELD_NUMBER: _ClassVar[int]
+    BOOL_VALUE_FIELD_NUMBER: _ClassVar[int]
+    NONE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_VALUE_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    MAPPING_FIELD_NUMBER: _ClassVar[int]
+    INT_MAPPING_FIELD_NUMBER: _ClassVar[int]
+    tensor: int
+    int_value: int
+    float_value: float
+    string_value: str
+    bool_value: bool
+    none: bool
+    bytes_value: bytes
+    sequence: StateSequence
+    mapping: StateMapping
+    int_mapping: StateIntMapping
+    def __init__(self, tensor: _Optional[int] = ..., int_value: _Optional[int] = ..., float_value: _Optional[float] = ..., string_value: _Optional[str] = ..., bool_value: _Optional[bool] = ..., none: _Optional[bool] = ..., bytes_value: _Optional[bytes] = ..., sequence: _Optional[_Union[StateSequence, _Mapping]] = ..., mapping: _Optional[_Union[StateMapping, _Mapping]] = ..., int_mapping: _Optional[_Union[StateIntMapping, _Mapping]] = ...) -> None: ...
+
+class StateSequence(_message.Message):
+    __slots__ = ("items", "tuple")
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    TUPLE_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[StateNode]
+    tuple: bool
+    def __init__(self, items: _Optional[_Iterable[_Union[StateNode, _Mapping]]] = ..., tuple: _Optional[bool] = ...) -> None: ...
+
+class StateMapping(_message.Message):
+    __slots__ = ("keys", "values")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    values: _containers.RepeatedCompositeFieldContainer[StateNode]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., values: _Optional[_Iterable[_Union[StateNode, _Mapping]]] = ...) -> None: ...
+
+class StateIntMapping(_message.Message):
+    __slots__ = ("keys", "values")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[int]
+    values: _containers.RepeatedCompositeFieldContainer[StateNode]
+    def __init__(self, keys: _Optional[_Iterable[int]] = ..., values: _Optional[_Iterable[_Union[StateNode, _Mapping]]] = ...) -> None: ...
+
+class StateManifest(_message.Message):
+    __slots__ = ("root", "tensors", "step")
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    root: StateNode
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    step: int
+    def __init__(self, root: _Optional[_Union[StateNode, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., step: _Optional[int] = ...) -> None: ...
+
+class TransferHello(_message.Message):
+    __slots__ = ("token", "donor", "joiner")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DONOR_FIELD_NUMBER: _ClassVar[int]
+    JOINER_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    donor: int
+    joiner: int
+    def __init__(self, token: _Optional[str] = ..., donor: _Optional[int] = ..., joiner: _Optional[int] = ...) -> None: ...
+
+class CatchUpStep(_message.Message):
+    __slots__ = ("step", "loss", "microbatches", "tokens", "generation", "tensors", "record")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    loss: float
+    microbatches: int
+    tokens: int
+    generation: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    record: StepRecord
+    def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., microbatches: _Optional[int] = ..., tokens: _Optional[int] = ..., generation: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., record: _Optional[_Union[StepRecord, _Mapping]] = ...) -> None: ...
+
+class TransferEnd(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class Resumed(_message.Message):
     __slots__ = ("generation", "step", "at", "rebuild_s")
@@ -197,18 +389,38 @@ class Applied(_message.Message):
     def __init__(self, step: _Optional[int] = ..., param_sha256: _Optional[str] = ..., commit_wait_s: _Optional[float] = ...) -> None: ...
 
 class WorkerReport(_message.Message):
-    __slots__ = ("replica", "ready", "resumed", "reduced", "applied")
+    __slots__ = ("replica", "ready", "resumed", "reduced", "applied", "join_progress", "join_failed", "checkpoint_written")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FIELD_NUMBER: _ClassVar[int]
     REDUCED_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
+    JOIN_PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    JOIN_FAILED_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     replica: int
     ready: Ready
     resumed: Resumed
     reduced: Reduced
     applied: Applied
-    def __init__(self, replica: _Optional[int] = ..., ready: _Optional[_Union[Ready, _Mapping]] = ..., resumed: _Optional[_Union[Resumed, _Mapping]] = ..., reduced: _Optional[_Union[Reduced, _Mapping]] = ..., applied: _Optional[_Union[Applied, _Mapping]] = ...) -> None: ...
+    join_progress: JoinProgress
+    join_failed: JoinFailed
+    checkpoint_written: CheckpointWritten
+    def __init__(self, replica: _Optional[int] = ..., ready: _Optional[_Union[Ready, _Mapping]] = ..., resumed: _Optional[_Union[Resumed, _Mapping]] = ..., reduced: _Optional[_Union[Reduced, _Mapping]] = ..., applied: _Optional[_Union[Applied, _Mapping]] = ..., join_progress: _Optional[_Union[JoinProgress, _Mapping]] = ..., join_failed: _Optional[_Union[JoinFailed, _Mapping]] = ..., checkpoint_written: _Optional[_Union[CheckpointWritten, _Mapping]] = ...) -> None: ...
+
+class CheckpointWritten(_message.Message):
+    __slots__ = ("step", "path", "bytes", "write_s", "snapshot_s")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    WRITE_S_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_S_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    path: str
+    bytes: int
+    write_s: float
+    snapshot_s: float
+    def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., bytes: _Optional[int] = ..., write_s: _Optional[float] = ..., snapshot_s: _Optional[float] = ...) -> None: ...
 
 class RegisterAgent(_message.Message):
     __slots__ = ("agent_id", "host", "slots", "resume", "replica_ids", "term", "generation")
@@ -282,17 +494,37 @@ class WorkerExited(_message.Message):
     output_tail: str
     def __init__(self, replica: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., observed_at: _Optional[float] = ..., fault: _Optional[_Union[FaultNote, _Mapping]] = ..., killed_by_agent: _Optional[str] = ..., error: _Optional[_Union[WorkerError, _Mapping]] = ..., attached: _Optional[bool] = ..., output_tail: _Optional[str] = ...) -> None: ...
 
+class ReplicaRequest(_message.Message):
+    __slots__ = ("slot", "reason")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    reason: str
+    def __init__(self, slot: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class AgentMessage(_message.Message):
-    __slots__ = ("register", "heartbeat", "worker_exited", "report")
+    __slots__ = ("register", "heartbeat", "worker_exited", "report", "replica_request")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     WORKER_EXITED_FIELD_NUMBER: _ClassVar[int]
     REPORT_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_REQUEST_FIELD_NUMBER: _ClassVar[int]
     register: RegisterAgent
     heartbeat: Heartbeat
     worker_exited: WorkerExited
     report: WorkerReport
-    def __init__(self, register: _Optional[_Union[RegisterAgent, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., worker_exited: _Optional[_Union[WorkerExited, _Mapping]] = ..., report: _Optional[_Union[WorkerReport, _Mapping]] = ...) -> None: ...
+    replica_request: ReplicaRequest
+    def __init__(self, register: _Optional[_Union[RegisterAgent, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., worker_exited: _Optional[_Union[WorkerExited, _Mapping]] = ..., report: _Optional[_Union[WorkerReport, _Mapping]] = ..., replica_request: _Optional[_Union[ReplicaRequest, _Mapping]] = ...) -> None: ...
+
+class ReplicaAssigned(_message.Message):
+    __slots__ = ("slot", "replica", "refused")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    replica: int
+    refused: str
+    def __init__(self, slot: _Optional[int] = ..., replica: _Optional[int] = ..., refused: _Optional[str] = ...) -> None: ...
 
 class Registered(_message.Message):
     __slots__ = ("replica_ids", "job")
@@ -303,20 +535,26 @@ class Registered(_message.Message):
     def __init__(self, replica_ids: _Optional[_Iterable[int]] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ...) -> None: ...
 
 class ControllerMessage(_message.Message):
-    __slots__ = ("registered", "generation", "commit", "shutdown", "heartbeat", "term")
+    __slots__ = ("registered", "generation", "commit", "shutdown", "heartbeat", "replica_assigned", "donate", "join", "term")
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ASSIGNED_FIELD_NUMBER: _ClassVar[int]
+    DONATE_FIELD_NUMBER: _ClassVar[int]
+    JOIN_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
     registered: Registered
     generation: GenerationView
     commit: Commit
     shutdown: Shutdown
     heartbeat: Heartbeat
+    replica_assigned: ReplicaAssigned
+    donate: Donate
+    join: Join
     term: int
-    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., generation: _Optional[_Union[GenerationView, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., term: _Optional[int] = ...) -> None: ...
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., generation: _Optional[_Union[GenerationView, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., replica_assigned: _Optional[_Union[ReplicaAssigned, _Mapping]] = ..., donate: _Optional[_Union[Donate, _Mapping]] = ..., join: _Optional[_Union[Join, _Mapping]] = ..., term: _Optional[int] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("replica", "job")
@@ -327,16 +565,20 @@ class Welcome(_message.Message):
     def __init__(self, replica: _Optional[int] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ...) -> None: ...
 
 class WorkerCommand(_message.Message):
-    __slots__ = ("welcome", "generation", "commit", "shutdown")
+    __slots__ = ("welcome", "generation", "commit", "shutdown", "donate", "join")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    DONATE_FIELD_NUMBER: _ClassVar[int]
+    JOIN_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     generation: GenerationView
     commit: Commit
     shutdown: Shutdown
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., generation: _Optional[_Union[GenerationView, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
+    donate: Donate
+    join: Join
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., generation: _Optional[_Union[GenerationView, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., donate: _Optional[_Union[Donate, _Mapping]] = ..., join: _Optional[_Union[Join, _Mapping]] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ()
@@ -377,7 +619,7 @@ class ReplicaLoad(_message.Message):
     def __init__(self, replica: _Optional[int] = ..., microbatches: _Optional[int] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("state", "reason", "generation", "steps_committed", "steps_total", "live_replicas", "load", "recoveries", "last_loss", "tokens", "elapsed_s", "agents", "job_id", "redos", "role", "term", "leader")
+    __slots__ = ("state", "reason", "generation", "steps_committed", "steps_total", "live_replicas", "load", "recoveries", "last_loss", "tokens", "elapsed_s", "agents", "job_id", "redos", "role", "term", "leader", "joining")
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -395,6 +637,7 @@ class JobStatus(_message.Message):
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
+    JOINING_FIELD_NUMBER: _ClassVar[int]
     state: str
     reason: str
     generation: int
@@ -412,7 +655,8 @@ class JobStatus(_message.Message):
     role: str
     term: int
     leader: str
-    def __init__(self, state: _Optional[str] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., steps_committed: _Optional[int] = ..., steps_total: _Optional[int] = ..., live_replicas: _Optional[_Iterable[int]] = ..., load: _Optional[_Iterable[_Union[ReplicaLoad, _Mapping]]] = ..., recoveries: _Optional[int] = ..., last_loss: _Optional[float] = ..., tokens: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., agents: _Optional[int] = ..., job_id: _Optional[str] = ..., redos: _Optional[int] = ..., role: _Optional[str] = ..., term: _Optional[int] = ..., leader: _Optional[str] = ...) -> None: ...
+    joining: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, state: _Optional[str] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., steps_committed: _Optional[int] = ..., steps_total: _Optional[int] = ..., live_replicas: _Optional[_Iterable[int]] = ..., load: _Optional[_Iterable[_Union[ReplicaLoad, _Mapping]]] = ..., recoveries: _Optional[int] = ..., last_loss: _Optional[float] = ..., tokens: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., agents: _Optional[int] = ..., job_id: _Optional[str] = ..., redos: _Optional[int] = ..., role: _Optional[str] = ..., term: _Optional[int] = ..., leader: _Optional[str] = ..., joining: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EventsRequest(_message.Message):
     __slots__ = ("after_seq",)
@@ -453,7 +697,7 @@ class ReplicaDigest(_message.Message):
     def __init__(self, replica: _Optional[int] = ..., param_sha256: _Optional[str] = ...) -> None: ...
 
 class StepRecord(_message.Message):
-    __slots__ = ("step", "generation", "microbatches", "sample_digest", "loss", "committed_at", "param_sha256", "tokens", "compute_s", "reduce_s", "commit_wait_s", "sample_ids")
+    __slots__ = ("step", "generation", "microbatches", "sample_digest", "loss", "committed_at", "param_sha256", "tokens", "compute_s", "reduce_s", "commit_wait_s", "sample_ids", "replicas")
     STEP_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
@@ -466,6 +710,7 @@ class StepRecord(_message.Message):
     REDUCE_S_FIELD_NUMBER: _ClassVar[int]
     COMMIT_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     step: int
     generation: int
     microbatches: int
@@ -478,7 +723,8 @@ class StepRecord(_message.Message):
     reduce_s: float
     commit_wait_s: float
     sample_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., microbatches: _Optional[int] = ..., sample_digest: _Optional[str] = ..., loss: _Optional[float] = ..., committed_at: _Optional[float] = ..., param_sha256: _Optional[_Iterable[_Union[ReplicaDigest, _Mapping]]] = ..., tokens: _Optional[int] = ..., compute_s: _Optional[float] = ..., reduce_s: _Optional[float] = ..., commit_wait_s: _Optional[float] = ..., sample_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    replicas: int
+    def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., microbatches: _Optional[int] = ..., sample_digest: _Optional[str] = ..., loss: _Optional[float] = ..., committed_at: _Optional[float] = ..., param_sha256: _Optional[_Iterable[_Union[ReplicaDigest, _Mapping]]] = ..., tokens: _Optional[int] = ..., compute_s: _Optional[float] = ..., reduce_s: _Optional[float] = ..., commit_wait_s: _Optional[float] = ..., sample_ids: _Optional[_Iterable[int]] = ..., replicas: _Optional[int] = ...) -> None: ...
 
 class FailureRecord(_message.Message):
     __slots__ = ("step", "replica", "phase", "cause", "killed_at", "detected_at", "recovered_at", "generation", "error")

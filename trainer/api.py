@@ -40,9 +40,12 @@ from typing import Any
 import torch
 
 from recover.common import logs
+from recover.common.ckptfile import CheckpointError
 from recover.common.progress import ProgressBeacon
 from recover.proto import pb
 from recover.trainer.channel import AgentChannel, ChannelClosed
+from recover.trainer.checkpoint import CheckpointWriter
+from recover.trainer.checkpoint import load as load_checkpoint
 from recover.trainer.determinism import check_determinism as run_determinism_check
 from recover.trainer.digest import parameter_digest
 from recover.trainer.errors import WorkloadError, contract_error
@@ -50,6 +53,7 @@ from recover.trainer.executor import StepExecutor
 from recover.trainer.gradients import GradientBuckets, GradientLayoutError
 from recover.trainer.reduction import make_accumulator
 from recover.trainer.sources import as_source
+from recover.trainer.transfer import Listener
 from recover.trainer.workload import ForwardBackwardFn, LossFn, Stateful, StepInfo, Workload
 
 log = logging.getLogger("recover.trainer")
@@ -204,6 +208,9 @@ def train(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     channel, proto = job._channel, job._proto
     executor: StepExecutor | None = None
     beacon: ProgressBeacon | None = None
+    # Where a donor's state arrives if this replica joins a running job (a restart, a
+    # replacement host, a spare): the address on the agent's route to the controller.
+    listener = Listener(os.environ.get("RECOVER_TRANSFER_HOST", "127.0.0.1"))
     try:
         workload = _workload(job, model, optimizer, microbatches, loss_fn, forward_backward,
                              lr_scheduler, max_grad_norm, on_step_committed, extra_state)
@@ -218,26 +225,48 @@ def train(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
         info = pb.WorkloadInfo(parameters=sum(p.numel() for p in workload.params),
                                gradient_buckets=grads.describe(),
                                samples_per_microbatch=workload.source.samples_per_microbatch or 0)
+        first_step = proto.resume.step if proto.resume.path else 0
+        executor = StepExecutor(proto, job.replica, channel, workload, grads, accumulator,
+                                first_step=first_step, beacon=beacon, listener=listener)
+        if proto.resume.path:
+            _resume(executor, proto.resume)
         wanted = proto.check_determinism if check_determinism is None else check_determinism
         if wanted:
-            checked = run_determinism_check(workload, grads)
+            checked = run_determinism_check(workload, grads, step=first_step)
             info.determinism_sha256 = checked.gradient_sha256
             log.info("determinism check passed (gradient %s)", checked.gradient_sha256[:12],
                      extra={"replica": job.replica})
-        executor = StepExecutor(proto, job.replica, channel, workload, grads, accumulator,
-                                beacon=beacon)
+        if proto.checkpoint.dir:
+            executor.checkpoints = CheckpointWriter(
+                proto.checkpoint, proto, job.replica,
+                lambda written: channel.send(pb.WorkerReport(checkpoint_written=written)),
+                first_step)
         shutdown = executor.run(pb.Ready(param_sha256=parameter_digest(model), pid=os.getpid(),
-                                         workload=info))
+                                         workload=info, transfer_address=listener.address))
     except WorkloadError as exc:
         _report_and_exit(channel, exc)
     except ChannelClosed as exc:
         _exit(EXIT_AGENT_GONE, f"replica {job.replica} stopping: {exc}")
     finally:
+        if executor is not None and executor.checkpoints is not None:
+            executor.checkpoints.close()
         if beacon is not None:
             beacon.close()
+        listener.close()
         channel.close()
     log.info("job ended: %s", shutdown.reason, extra={"replica": job.replica})
     return TrainResult(shutdown.success, shutdown.reason, executor.steps_applied)
+
+
+def _resume(executor: StepExecutor, resume: pb.ResumePoint) -> None:
+    """Load the checkpoint the job resumes from (its checksum verified again here)."""
+    try:
+        meta, state = load_checkpoint(resume.path)
+    except (CheckpointError, OSError) as exc:
+        raise contract_error(f"cannot resume from {resume.path}: {exc}", where="resume") from None
+    executor.load_training_state(state, meta.step)
+    log.info("resumed from %s at step %d", resume.path, meta.step,
+             extra={"replica": executor.replica})
 
 
 def _report_and_exit(channel: AgentChannel, exc: WorkloadError) -> None:

@@ -13,8 +13,9 @@ and abort() just stops waiting for it.
 Which sockets are ours: torch exposes neither the store client's nor gloo's fds, so
 ``connect()`` snapshots the process's socket inodes first; every inet socket that
 appears while it runs belongs to this generation (store client, gloo listener and
-pairs). Assumption: no other thread of the worker opens inet sockets meanwhile (the
-agent channel is a unix socket, filtered out by family). Sockets are tracked by
+pairs), except those registered with ``exclude_sockets`` (a join's state transfer,
+which a donor runs on a thread of its own); the agent channel is a unix socket,
+filtered out by family. Sockets are tracked by
 inode, re-checked with ``fstat`` on a dup'd fd, so an fd closed by gloo and reused
 by someone else is never touched.
 """
@@ -32,7 +33,34 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["CollectiveAborted", "GroupSpec", "GenerationGroup", "RendezvousServer"]
+from recover.common.netaddr import local_address_towards
+
+__all__ = ["CollectiveAborted", "GroupSpec", "GenerationGroup", "RendezvousServer",
+           "exclude_sockets", "include_sockets"]
+
+_FOREIGN: set[int] = set()
+"""Inodes of inet sockets that belong to something else (a join's state transfer): a
+generation group never claims or shuts them, even if they appear while it builds."""
+_FOREIGN_LOCK = threading.Lock()
+
+
+def _inode(sock: socket.socket) -> int | None:
+    try:
+        return os.fstat(sock.fileno()).st_ino
+    except OSError:
+        return None
+
+
+def exclude_sockets(socks: list[socket.socket]) -> None:
+    """Keep these sockets out of every generation group's abort sweep."""
+    with _FOREIGN_LOCK:
+        _FOREIGN.update(i for i in map(_inode, socks) if i is not None)
+
+
+def include_sockets(socks: list[socket.socket]) -> None:
+    """Forget sockets about to be closed (their inode numbers will be reused)."""
+    with _FOREIGN_LOCK:
+        _FOREIGN.difference_update(i for i in map(_inode, socks) if i is not None)
 
 
 class CollectiveAborted(RuntimeError):
@@ -55,6 +83,11 @@ class GroupSpec:
     """Port of the rendezvous TCPStore."""
     timeout_s: float = 30.0
     """Store and gloo timeout. Safety net only: the controller's abort is the fast path."""
+
+
+def _foreign() -> set[int]:
+    with _FOREIGN_LOCK:
+        return set(_FOREIGN)
 
 
 def _socket_inodes() -> dict[int, int]:
@@ -113,19 +146,6 @@ def _join_builders_at_exit() -> None:
         thread.join(max(0.0, deadline - time.monotonic()))
 
 
-def _local_address_towards(host: str, port: int) -> str | None:
-    """The local address this host's traffic to ``host:port`` leaves from, or None.
-
-    A UDP connect only picks a route; no packet is sent.
-    """
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((host, port))
-            return str(probe.getsockname()[0])
-    except OSError:
-        return None
-
-
 def gloo_devices(store_host: str, store_port: int) -> list[object]:
     """Where gloo listens and connects from.
 
@@ -138,7 +158,7 @@ def gloo_devices(store_host: str, store_port: int) -> list[object]:
     names = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n.strip()]
     if names:
         return [dist.ProcessGroupGloo.create_device(interface=n.strip()) for n in names]
-    local = _local_address_towards(store_host, store_port)
+    local = local_address_towards(store_host, store_port)
     if local is None:
         return [dist.ProcessGroupGloo.create_default_device()]
     return [dist.ProcessGroupGloo.create_device(hostname=local)]
@@ -218,7 +238,7 @@ class GenerationGroup:
             if self._owned is None and self._before is not None:
                 # Freeze ownership (also on failure), so sockets that other threads
                 # or newer generations open later are never touched by abort().
-                self._owned = {i for i in _socket_inodes() if i not in self._before}
+                self._owned = {i for i in _socket_inodes() if i not in self._before} - _foreign()
             if error is None and not (self._aborted or self._closed):
                 self._pg, self._store, store, pg = pg, store, None, None
             elif error is not None:
@@ -277,8 +297,8 @@ class GenerationGroup:
         if self._owned is None:
             # Build still running: everything new since the snapshot is ours. Freeze
             # it, so a later abort() never touches a newer generation's sockets.
-            self._owned = {i for i in sockets if i not in self._before}
-        for inode in self._owned:
+            self._owned = {i for i in sockets if i not in self._before} - _foreign()
+        for inode in self._owned - _foreign():
             if inode in sockets:
                 _shutdown_socket(sockets[inode], inode)
 

@@ -18,58 +18,31 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass, field
+from typing import Any
 
 from recover.common.progress import ProgressBeacon
 from recover.proto import pb
 from recover.trainer.channel import AgentChannel
+from recover.trainer.checkpoint import CheckpointWriter
 from recover.trainer.collectives import CollectiveAborted, GenerationGroup, GroupSpec
 from recover.trainer.commits import CommitAction, judge_commit
 from recover.trainer.digest import parameter_digest
 from recover.trainer.errors import call_user
-from recover.trainer.faults import HANG_PHASES, FaultInjector
+from recover.trainer.faults import FaultInjector
 from recover.trainer.gradients import GradientBuckets
-from recover.trainer.reduction import Accumulator, Reduced
+from recover.trainer.joining import Donation
+from recover.trainer.joinsteps import JoinSteps
+from recover.trainer.reduction import Accumulator
+from recover.trainer.stepstate import ORPHAN_WAIT_S, StepState, TrainingEnded
+from recover.trainer.transfer import Listener
 from recover.trainer.workload import StepInfo, Workload
 
 log = logging.getLogger("recover.trainer")
 
-ORPHAN_WAIT_S = 60.0
-"""How long a worker whose group failed waits for a new generation before giving up."""
-
-
-class TrainingEnded(Exception):
-    """The controller ended the job (shutdown)."""
-
-    def __init__(self, shutdown: pb.Shutdown) -> None:
-        super().__init__(shutdown.reason)
-        self.shutdown = shutdown
-
-
-@dataclass
-class StepState:
-    """What this worker holds of the current, uncommitted step."""
-
-    step: int
-    assigned: list[int] = field(default_factory=list)
-    """My microbatches in the latest plan of this step (a superset of `done`)."""
-    original: set[int] = field(default_factory=set)
-    """My microbatches in the step's first plan: the rest were reassigned to me."""
-    done: list[int] = field(default_factory=list)
-    """Microbatches already accumulated into the parameters' .grad, in order."""
-    sample_ids: list[int] = field(default_factory=list)
-    tokens: int = 0
-    scale_epoch: int = 0
-    """Exact reduction: the fixed-point scale the accumulation was made at."""
-    reduced: Reduced | None = None
-    """The reduced gradient (a copy) awaiting the commit."""
-    compute_s: float = 0.0
-
-
-class StepExecutor:
+class StepExecutor(JoinSteps):
     def __init__(self, job: pb.JobConfig, replica: int, channel: AgentChannel, workload: Workload,
                  grads: GradientBuckets, accumulator: Accumulator, first_step: int = 0,
-                 beacon: ProgressBeacon | None = None) -> None:
+                 beacon: ProgressBeacon | None = None, listener: Listener | None = None) -> None:
         self.job = job
         self.replica = replica
         self.channel = channel
@@ -86,6 +59,14 @@ class StepExecutor:
         self.finished = False
         self.steps_applied = 0
         self._reported_at = 0.0
+        self.listener = listener
+        """Where a donor's state arrives when this replica joins a running job."""
+        self.donations: list[Donation] = []
+        self.ledger: list[pb.StepRecord] = []
+        """Every committed step's record, kept with the state: a checkpoint carries it."""
+        self.checkpoints: CheckpointWriter | None = None
+        self._admission: pb.GenerationView | None = None
+        """A joiner's first generation, held until it has caught up to the view's step."""
         # Guards the hand-over between the receiver thread (which learns of new
         # generations first) and the main thread (which owns the group).
         self._group_lock = threading.Lock()
@@ -113,6 +94,8 @@ class StepExecutor:
     # ------------------------------------------------------------ main loop
 
     def run(self, ready: pb.Ready) -> pb.Shutdown:
+        if self.faults.armed(self.state.step, "startup"):
+            self.faults.fire(self.state.step, "startup")
         self.channel.send(pb.WorkerReport(ready=ready))
         try:
             while True:
@@ -132,7 +115,7 @@ class StepExecutor:
 
     def _has_work(self) -> bool:
         s = self.state
-        return (self.group is not None and not self.finished
+        return (self.group is not None and not self.finished and s.planned
                 and (len(s.done) < len(s.assigned) or s.reduced is None))
 
     def _handle(self, command: pb.WorkerCommand) -> None:
@@ -143,6 +126,10 @@ class StepExecutor:
             self._apply_commit(command.commit)
         elif kind == "shutdown":
             raise TrainingEnded(command.shutdown)
+        elif kind == "donate":
+            self._donate(command.donate)
+        elif kind == "join":
+            self._join(command.join)
 
     def _work(self) -> None:
         s = self.state
@@ -156,6 +143,12 @@ class StepExecutor:
     def _enter_generation(self, view: pb.GenerationView) -> None:
         if view.generation <= self.generation:
             return  # fenced: an older view never replaces a newer one
+        for donation in self.donations:
+            if donation.joiner in view.members:  # it enters at this view's step
+                donation.finish_before(view.plan.step)
+        if self.generation == 0 and view.plan.step > self.state.step:
+            self._admission = view  # a joiner still catching up: enter once it has
+            return
         recovering = self.generation > 0
         self.generation, self.members = view.generation, list(view.members)
         plan = view.plan
@@ -202,6 +195,7 @@ class StepExecutor:
                                "worker already accumulated")
         # Done first, in order, so `assigned[len(done):]` is exactly what is left.
         s.assigned = s.done + [mb for mb in mine if mb not in s.done]
+        s.planned = True
         if not s.original:
             s.original = set(mine)
 
@@ -219,26 +213,10 @@ class StepExecutor:
         count = len(s.original) or len(s.assigned)
         if microbatch not in s.original and faults.armed(s.step, "recompute"):
             faults.fire(s.step, "recompute")
-        hook = None
-
-        def before_backward() -> None:
-            # Testing-only fault points between this microbatch's forward and backward.
-            nonlocal hook
-            for phase in HANG_PHASES:
-                if faults.armed(s.step, phase, position, count):
-                    faults.hang(s.step, phase)
-            if delay := faults.slow_seconds(s.step):
-                time.sleep(delay)
-            if faults.armed(s.step, "forward", position, count):
-                faults.fire(s.step, "forward")
-            if faults.armed(s.step, "backward", position, count):
-                middle = self.workload.params[len(self.workload.params) // 2]
-                hook = middle.register_hook(lambda grad: faults.fire(s.step, "backward"))
-
+        points = faults.microbatch_points(s.step, position, count, self.workload.params)
         self.accumulator.before_microbatch()
-        result = self.workload.compute(s.step, microbatch, before_backward)
-        if hook is not None:
-            hook.remove()
+        result = self.workload.compute(s.step, microbatch, points.before_backward)
+        points.after_backward()
         self.grads.repair_views()
         if faults.armed(s.step, "nan", position, count):
             self.grads.buckets[0].flat[0] = math.nan
@@ -287,24 +265,54 @@ class StepExecutor:
             return
         if verdict.action is CommitAction.REFUSE or s.reduced is None:
             raise RuntimeError(f"commit refused: {verdict.reason}")
-        lr, norm = self.workload.apply(self.grads, s.reduced.grads)
-        self.accumulator.observe_committed(s.reduced.grads)
-        self.accumulator.reset()
         commit_wait = time.perf_counter() - self._reported_at
-        self.channel.send(pb.WorkerReport(applied=pb.Applied(
-            step=s.step, param_sha256=parameter_digest(self.workload.model),
-            commit_wait_s=commit_wait)))
-        self.steps_applied += 1
-        info = StepInfo(step=s.step, loss=s.reduced.loss, lr=lr, grad_norm=norm,
-                        microbatches=commit.microbatches or self.job.global_microbatches,
-                        tokens=commit.tokens, generation=self.generation, replica=self.replica,
-                        is_first_replica=bool(self.members) and self.replica == min(self.members))
-        self.state = StepState(step=s.step + 1)
+        self._apply(s.reduced.grads, pb.CatchUpStep(
+            step=s.step, loss=s.reduced.loss, generation=self.generation,
+            microbatches=commit.microbatches or self.job.global_microbatches, tokens=commit.tokens,
+            record=commit.record), commit_wait)
         self.finished = commit.final
         if commit.HasField("next_plan"):
             self._adopt_plan(commit.next_plan)
+
+    def _apply(self, means: list, step: pb.CatchUpStep, commit_wait: float | None) -> None:
+        """Apply a committed step: as a member (`commit_wait` set), or catching up as a joiner."""
+        lr, norm = self.workload.apply(self.grads, means)
+        self.accumulator.observe_committed(means)
+        self.accumulator.reset()
+        member = commit_wait is not None
+        first = member and bool(self.members) and self.replica == min(self.members)
+        record = pb.StepRecord()
+        record.CopyFrom(step.record)
+        if member:  # a joiner's record carries its donor's digest: the same bits
+            digest = parameter_digest(self.workload.model)
+            record.param_sha256.append(pb.ReplicaDigest(replica=self.replica, param_sha256=digest))
+            self.channel.send(pb.WorkerReport(applied=pb.Applied(
+                step=step.step, param_sha256=digest, commit_wait_s=commit_wait)))
+            self.steps_applied += 1
+        self.ledger.append(record)
+        if member:
+            step.record.CopyFrom(record)
+            self._feed_joiners(step, means)
+        self.state = StepState(step=step.step + 1)
+        if first and self.checkpoints is not None:
+            self.checkpoints.maybe_write(step.step + 1, self.training_state, self.ledger)
         if self.workload.on_step_committed is not None:
-            call_user("on_step_committed", self.workload.on_step_committed, info, step=info.step)
+            call_user("on_step_committed", self.workload.on_step_committed, StepInfo(
+                step=step.step, loss=step.loss, lr=lr, grad_norm=norm,
+                microbatches=step.microbatches, tokens=step.tokens, generation=step.generation,
+                replica=self.replica, is_first_replica=first), step=step.step)
+
+    def training_state(self) -> dict[str, Any]:
+        """Everything a joiner or a restore needs: the user's state, the exact-reduction
+        scales and the step ledger (references to live tensors: encode() copies)."""
+        return {"workload": self.workload.state_dict(), "reduction": self.accumulator.state_dict(),
+                "ledger": [r.SerializeToString() for r in self.ledger]}
+
+    def load_training_state(self, state: dict[str, Any], step: int) -> None:
+        self.workload.load_state_dict(state["workload"])
+        self.accumulator.load_state_dict(state["reduction"])
+        self.ledger = [pb.StepRecord.FromString(r) for r in state.get("ledger", [])]
+        self.state = StepState(step=step)
 
     def _ctx(self) -> dict[str, int]:
         return {"step": self.state.step, "generation": self.generation, "replica": self.replica}

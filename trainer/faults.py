@@ -13,7 +13,8 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from recover.proto import pb
 
@@ -29,8 +30,15 @@ PHASES: dict[str, str] = {
     "deadlock": "hang: block forever on a lock while computing a microbatch (for the watchdog)",
     "slow": "stay alive but sleep `seconds` in every microbatch of the step (must NOT be killed)",
     "nan": "not a kill: poison one microbatch's gradient with NaN in every attempt of the step",
+    "startup": "while starting: after attaching to its agent, before reporting ready",
+    "join": "while joining: right after loading a donor's snapshot, before catching up",
+    "donate": "while donating: right after sending the snapshot to a joiner (mid-stream)",
 }
 HANG_PHASES = ("stop", "spin", "deadlock")
+ANY_REPLICA_PHASES = ("join", "donate", "startup")
+"""Phases that may target a replica started later (a restart's new id: replicas, replicas+1...)."""
+AT_OR_AFTER_PHASES = ("join", "donate")
+"""Phases whose step means "the first time at or after it" (joins happen when they happen)."""
 
 
 class FaultSpecError(ValueError):
@@ -99,7 +107,8 @@ class FaultInjector:
               count: int | None = None) -> bool:
         """Whether a fault targets (step, phase) and, for per-microbatch phases, this position."""
         for fault in self._faults:
-            if fault.step != step or fault.phase != phase:
+            if fault.phase != phase or (fault.step > step if phase in AT_OR_AFTER_PHASES
+                                        else fault.step != step):
                 continue
             if position is None:
                 return True
@@ -130,8 +139,42 @@ class FaultInjector:
             lock.acquire()
             lock.acquire()
 
+    def microbatch_points(self, step: int, position: int, count: int,
+                          params: Sequence[Any]) -> MicrobatchFaults:
+        return MicrobatchFaults(self, step, position, count, params)
+
     def fire_soon(self, step: int, phase: str, delay_s: float = 0.002) -> None:
         """Kill from a timer thread, so the main thread is inside a blocking call when it lands."""
         note = pb.FaultNote(step=step, phase=phase, killed_at=time.time() + delay_s)
         self._note(note)
         threading.Timer(delay_s, self._kill_now).start()
+
+
+class MicrobatchFaults:
+    """The fault points of one microbatch: between its forward and backward (hangs, slow,
+    forward), and inside its backward (a gradient hook on a middle parameter)."""
+
+    def __init__(self, injector: FaultInjector, step: int, position: int, count: int,
+                 params: Sequence[Any]) -> None:
+        self._injector = injector
+        self._at = (step, position, count)
+        self._params = params
+        self._hook: Any = None
+
+    def before_backward(self) -> None:
+        injector, (step, position, count) = self._injector, self._at
+        for phase in HANG_PHASES:
+            if injector.armed(step, phase, position, count):
+                injector.hang(step, phase)
+        if delay := injector.slow_seconds(step):
+            time.sleep(delay)
+        if injector.armed(step, "forward", position, count):
+            injector.fire(step, "forward")
+        if injector.armed(step, "backward", position, count):
+            middle = self._params[len(self._params) // 2]
+            self._hook = middle.register_hook(lambda grad: injector.fire(step, "backward"))
+
+    def after_backward(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None

@@ -272,9 +272,9 @@ class ExactAccumulator:
         self._rescale()
 
     def state_dict(self) -> dict[str, Any]:
-        """The predicted scales: what a joining replica needs to reduce like the others."""
-        return {"base_exponents": [list(e) for e in self._base_exponents],
-                "scale_epoch": self.scale_epoch}
+        """The predicted scales: what a joining replica needs to reduce like the others. (A
+        step's redo epoch is not state: every step starts at epoch 0, a plan says otherwise.)"""
+        return {"base_exponents": [list(e) for e in self._base_exponents]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         shape = [len(e) for e in self._base_exponents]
@@ -283,7 +283,7 @@ class ExactAccumulator:
             raise ValueError(f"exact-reduction state for buckets of {[len(e) for e in exponents]} "
                              f"tensors, this model has {shape}")
         self._base_exponents = exponents
-        self.scale_epoch = int(state["scale_epoch"])
+        self.scale_epoch = 0
         self._rescale()
 
 

@@ -6,7 +6,9 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -75,3 +77,37 @@ def assert_bitwise_identical(summary: dict[str, Any], reference: dict[str, Any])
     # Every live replica agreed after every step (no split-brain apply).
     for by_replica in summary["param_sha256_by_replica_per_step"]:
         assert len(set(by_replica.values())) == 1
+
+
+def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    """Poll `predicate` until it returns something true (returned), or fail saying what."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+@dataclass
+class Processes:
+    """`recover` parts started by hand, each logging to LOGS/NAME.log; `stop()` kills what is
+    left (use it in a finally)."""
+
+    logs: Path
+    started: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        with open(self.logs / f"{name}.log", "wb") as log:  # the child keeps its own descriptor
+            process = subprocess.Popen(recover_cmd(*args), stdout=log, stderr=subprocess.STDOUT,
+                                       start_new_session=True)
+        self.started.append(process)
+        return process
+
+    def stop(self) -> None:
+        for process in self.started:
+            if process.poll() is None:
+                process.kill()
+                process.wait()

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from tests.etcd_cluster import free_port
-from tests.integration.conftest import REPO, recover_cmd
-from tests.integration.test_hosts import recover_json, wait_for
+from tests.integration.conftest import REPO, Processes, recover_cmd, wait_for
+from tests.integration.test_hosts import recover_json
 
 pytestmark = pytest.mark.slow
 
@@ -36,15 +36,8 @@ def test_job_file_command_config_and_controller_written_summary(tmp_path: Path) 
     job_file = tmp_path / "job.toml"
     job_file.write_text(JOB_FILE.format(script=REPO / "tests" / "fixtures" / "faulty_workload.py"))
     logs = tmp_path / "logs"
-    logs.mkdir()
-    processes: list[subprocess.Popen[bytes]] = []
-
-    def start(name: str, *args: str) -> subprocess.Popen[bytes]:
-        with open(logs / f"{name}.log", "wb") as log:
-            process = subprocess.Popen(recover_cmd(*args), stdout=log, stderr=subprocess.STDOUT,
-                                       start_new_session=True)
-        processes.append(process)
-        return process
+    processes = Processes(logs)
+    start = processes.start
 
     try:
         controller = start("controller", "controller", "--port", str(port), "--job", str(job_file),
@@ -77,7 +70,4 @@ def test_job_file_command_config_and_controller_written_summary(tmp_path: Path) 
         controller.send_signal(signal.SIGTERM)
         assert controller.wait(timeout=15) == 0
     finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+        processes.stop()

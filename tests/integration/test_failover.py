@@ -49,13 +49,15 @@ def controller_pid(out_dir: Path, name: str) -> int:
     return int(out[0])
 
 
-def run_with_leader_hit(tmp_path: Path, sig: int) -> tuple[dict[str, Any], float, Path]:
-    """Start a 2-controller run, hit the leader with `sig` at step 8; return the summary,
-    the seconds from the hit until the standby led, and the logs folder."""
+def run_with_leader_hit(tmp_path: Path, sig: int, at_step: int | None = 8,
+                        extra: tuple[str, ...] = ()) -> tuple[dict[str, Any], float, Path]:
+    """Start a 2-controller run, hit the leader with `sig` at step `at_step` (None: while
+    the job is still starting); return the summary, the seconds from the hit until the
+    standby led, and the logs folder."""
     cluster = EtcdCluster(tmp_path / "etcd", 1).start()
     out = tmp_path / "run"
     proc = subprocess.Popen(recover_cmd("run", *ARGS, "--store", cluster.url, "--controllers", "2",
-                                        "--job-id", "failover", "--out", str(out)),
+                                        "--job-id", "failover", "--out", str(out), *extra),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     names = ("controller", "controller-1")
     try:
@@ -67,8 +69,9 @@ def run_with_leader_hit(tmp_path: Path, sig: int) -> tuple[dict[str, Any], float
             assert time.monotonic() < deadline, "training did not start"
             try:
                 states = {n: status(out / f"{n}.port") for n in names}
-                leader = next((n for n, s in states.items()
-                               if s.role == "leader" and s.steps_committed >= 8), None)
+                leader = next((n for n, s in states.items() if s.role == "leader" and (
+                    s.state == "waiting" if at_step is None else s.steps_committed >= at_step)),
+                               None)
             except (grpc.RpcError, FileNotFoundError, ValueError):
                 pass
             time.sleep(0.05)
@@ -127,3 +130,16 @@ def test_stopped_leader_wakes_up_deposed_and_changes_nothing(
     controller_logs = (logs / "controller.log").read_text() + (logs / "controller-1.log").read_text()
     # The woken leader noticed it lost the lease and stood down instead of acting.
     assert "standing down from term 1" in controller_logs
+
+
+def test_leader_and_a_worker_killed_during_startup_the_job_still_completes(
+        tmp_path: Path, reference: dict[str, Any]) -> None:
+    """Startup is when clusters fail most: the leading controller SIGKILLed before the job
+    starts fails over like mid-run, and a worker killed while starting is restarted."""
+    summary, takeover_s, _ = run_with_leader_hit(
+        tmp_path, signal.SIGKILL, at_step=None, extra=("--kill", "step=0,replica=1,phase=startup"))
+    assert takeover_s < 3.5, takeover_s
+    verdict = compare(reference, summary)
+    assert verdict.identical, verdict.message
+    assert [(f["replica"], f["phase"]) for f in summary["failures"]] == [(1, "startup")]
+    assert len(summary["live_replicas"]) == 4  # the restarted worker is a member

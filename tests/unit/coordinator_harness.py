@@ -74,9 +74,10 @@ class Harness:
         layout = layout or [(f"a{i}", 1) for i in range(self.job.replicas)]
         for agent_id, slots in layout:
             await self.coord.register_agent(agent_id, "host-" + agent_id, slots)
-        for replica in range(self.job.replicas):
-            await self.coord.worker_ready(replica, pb.Ready(pid=100 + replica,
-                                                             param_sha256="ab" * 32))
+        for replica in sorted(self.coord.replicas):  # spares too
+            await self.coord.worker_ready(replica, pb.Ready(
+                pid=100 + replica, param_sha256="ab" * 32,
+                transfer_address=f"10.0.0.{replica}:7000"))
         assert self.coord.state is JobState.RUNNING
 
     def reduced_msg(self, replica: int, *, ids: tuple[int, ...] | None = None,

@@ -4,26 +4,34 @@ from __future__ import annotations
 
 import pytest
 
-from recover.controller.admission import admit_agent
+from recover.controller.admission import (
+    Capacity,
+    admit_agent,
+    admit_replacement,
+    start_decision,
+)
 from recover.controller.jobstate import JobState
 
 BASE = dict(job_id="j", job_state=JobState.WAITING, taking_over=False, known_agents=(),
-            wanted_replicas=4, hosted_replicas=0)
+            capacity=Capacity(wanted=4, live=0, next_id=0))
 
 ROWS = [
     pytest.param("a", 2, {}, (0, 1), "agent a on h: replicas [0, 1]", id="first-agent"),
-    pytest.param("b", 2, {"known_agents": ("a",), "hosted_replicas": 2}, (2, 3),
+    pytest.param("b", 2, {"known_agents": ("a",), "capacity": Capacity(4, 2, 2)}, (2, 3),
                  "agent b on h: replicas [2, 3]", id="ids-continue-after-earlier-agents"),
-    pytest.param("b", 1, {"hosted_replicas": 3}, (3,), "replicas [3]", id="exactly-fills"),
-    pytest.param("b", 2, {"hosted_replicas": 3}, (),
-                 "job needs 4 replicas and has 3; 2 more slots do not fit", id="too-many-slots"),
-    pytest.param("b", 1, {"hosted_replicas": 4}, (),
-                 "job needs 4 replicas and has 4; 1 more slots do not fit", id="job-full"),
+    pytest.param("b", 1, {"capacity": Capacity(4, 3, 3)}, (3,), "replicas [3]", id="exactly-fills"),
+    pytest.param("b", 2, {"capacity": Capacity(4, 3, 3)}, (),
+                 "job wants 4 replicas and has 3; 2 more slots do not fit", id="too-many-slots"),
+    pytest.param("b", 1, {"capacity": Capacity(4, 4, 4)}, (),
+                 "job wants 4 replicas and has 4; 1 more slots do not fit", id="job-full"),
+    pytest.param("c", 2, {"job_state": JobState.RUNNING, "capacity": Capacity(4, 2, 6)}, (6, 7),
+                 "agent c on h: replicas [6, 7] (they join the running job)",
+                 id="replacement-host-gets-fresh-ids"),
+    pytest.param("c", 1, {"capacity": Capacity(6, 4, 4)}, (4,), "replicas [4]",
+                 id="room-for-spares"),
     pytest.param("a", 0, {}, (), "an agent needs at least one slot, got 0", id="zero-slots"),
     pytest.param("a", 1, {"known_agents": ("a",)}, (), "agent id 'a' is already registered",
                  id="duplicate-id"),
-    pytest.param("a", 1, {"job_state": JobState.RUNNING}, (),
-                 "job j is running; replicas cannot join a started job yet", id="started"),
     pytest.param("a", 1, {"job_state": JobState.FAILED}, (), "job j is failed", id="ended"),
     pytest.param("a", 1, {"taking_over": True, "job_state": JobState.RUNNING}, (),
                  "job j is taking over after a leader change", id="takeover-wins-over-state"),
@@ -36,3 +44,46 @@ def test_admit_agent(agent_id, slots, overrides, ids, reason):
     assert admission.replica_ids == ids
     assert admission.admitted is bool(ids)
     assert reason in admission.reason, admission.reason
+
+
+REPLACEMENT_ROWS = [
+    pytest.param({}, (5,), "agent a slot 1: new replica 5", id="room"),
+    pytest.param({"capacity": Capacity(4, 4, 5)}, (), "job has its 4 replicas", id="full"),
+    pytest.param({"agent_alive": False}, (), "not part of the job", id="agent-lost"),
+    pytest.param({"job_state": JobState.SUCCEEDED}, (), "job j is succeeded", id="over"),
+    pytest.param({"taking_over": True}, (), "taking over", id="takeover"),
+    pytest.param({"job_state": JobState.WAITING}, (5,), "new replica 5", id="during-startup"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "ids", "reason"), REPLACEMENT_ROWS)
+def test_admit_replacement(overrides, ids, reason):
+    args = dict(agent_alive=True, job_id="j", job_state=JobState.RUNNING, taking_over=False,
+                capacity=Capacity(4, 3, 5))
+    admission = admit_replacement("a", 1, **{**args, **overrides})
+    assert admission.replica_ids == ids
+    assert reason in admission.reason, admission.reason
+
+
+START_ROWS = [
+    pytest.param(dict(ready=4, live=4), True, "4 replicas ready", id="all-ready"),
+    pytest.param(dict(ready=3, live=4), False, "3 of 4 replicas ready", id="one-still-building"),
+    pytest.param(dict(ready=3, live=3), False, "3 of 4 replicas ready",
+                 id="an-agent-not-registered-yet"),
+    pytest.param(dict(ready=3, live=3, failed_for=2.0), False, "waiting up to 10s",
+                 id="failed-worker-replacement-may-come"),
+    pytest.param(dict(ready=3, live=3, failed_for=11.0), True, "starting with 3 of 4 replicas",
+                 id="grace-over-start-with-what-is-there"),
+    pytest.param(dict(ready=1, live=1, failed_for=11.0, min_replicas=2), False,
+                 "at least 2 needed", id="below-min-replicas"),
+    pytest.param(dict(ready=6, live=6), True, "6 replicas ready", id="spares-ready-too"),
+]
+
+
+@pytest.mark.parametrize(("case", "start", "reason"), START_ROWS)
+def test_start_decision(case, start, reason):
+    decision = start_decision(ready=case["ready"], live=case["live"], target=4,
+                              min_replicas=case.get("min_replicas", 1),
+                              startup_failure_for_s=case.get("failed_for"), grace_s=10.0)
+    assert decision.start is start
+    assert reason in decision.reason, decision.reason

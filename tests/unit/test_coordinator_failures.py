@@ -121,17 +121,18 @@ async def test_worker_exit_before_start_fails_the_job():
 
 
 @scenario
-async def test_agent_lost_before_start_fails_the_job():
+async def test_agent_lost_before_start_leaves_the_job_waiting_for_a_replacement():
     h = Harness(make_job(replicas=2))
     await h.coord.register_agent("a", "h", 1)
     await h.coord.register_agent("b", "h", 1)
     await h.coord.agent_lost("b", "session closed")
-    assert h.coord.state is JobState.FAILED
-    assert "before training started" in h.coord.reason and "agent b lost" in h.coord.reason
-    # The lost agent is told to stand down first (fencing, should it wake up), then everyone.
-    shutdowns = h.messages("shutdown")
-    assert [a for a, _ in shutdowns] == ["b", "a"]
-    assert "declared lost" in shutdowns[0][1].reason and not shutdowns[0][1].success
+    assert h.coord.state is JobState.WAITING  # a replacement host may come
+    shutdowns = h.messages("shutdown")  # fencing: the lost one stands down, should it wake up
+    assert [a for a, _ in shutdowns] == ["b"] and "declared lost" in shutdowns[0][1].reason
+    assert await h.coord.register_agent("c", "h", 1) == [2]  # a fresh replica id
+    await h.coord.worker_ready(0, pb.Ready(pid=1))
+    await h.coord.worker_ready(2, pb.Ready(pid=2))
+    assert h.coord.state is JobState.RUNNING and h.coord.members == [0, 2]
 
 
 # ---------------------------------------------------------------- the end

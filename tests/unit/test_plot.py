@@ -14,8 +14,10 @@ from recover.cli.main import main
 STEPS = 6
 
 
-def summary(losses: list[float], failures: list[int], policy: str = "recover") -> dict:
+def summary(losses: list[float], failures: list[int], policy: str = "recover",
+            replicas: list[int] | None = None) -> dict:
     return {
+        "replicas_per_step": replicas or [4] * STEPS,
         "steps_committed": STEPS, "reduce": "exact", "policy": policy,
         "microbatches_per_step": [8] * STEPS,
         "sample_digest_per_step": ["ab" * 32] * STEPS,
@@ -30,7 +32,8 @@ DRIFTED = [4.0, 3.5, 3.2, 2.9, 2.7, 2.55]
 
 
 def write_runs(tmp_path: Path) -> list[str]:
-    runs = {"ref": summary(REFERENCE, []), "recover": summary(REFERENCE, [2, 4]),
+    runs = {"ref": summary(REFERENCE, []),
+            "recover": summary(REFERENCE, [2, 4], replicas=[4, 4, 3, 4, 3, 3]),
             "drop": summary(DRIFTED, [2, 4], policy="drop")}
     paths = []
     for name, data in runs.items():
@@ -45,7 +48,7 @@ def test_draws_three_curves_with_failures_marked(tmp_path):
     plt = plot._pyplot()
     fig = plot.draw(plt, [plot.load_summary(r) for r in runs], runs)
     try:
-        top, bottom = fig.axes
+        top, bottom, strength = fig.axes
         assert [line.get_ydata().tolist() for line in top.get_lines() if len(line.get_ydata()) == STEPS] \
             == [REFERENCE, REFERENCE, DRIFTED]
         labels = [t.get_text() for t in top.get_legend().get_texts()]
@@ -58,6 +61,9 @@ def test_draws_three_curves_with_failures_marked(tmp_path):
         recovered, dropped = (line.get_ydata().tolist() for line in bottom.get_lines())
         assert recovered == [plot.FLOOR] * STEPS
         assert dropped[:2] == [plot.FLOOR] * 2 and all(d > 0.01 for d in dropped[2:])
+        # Live replicas per step: capacity lost at a failure and back after a join.
+        lines = [line.get_ydata().tolist() for line in strength.get_lines()]
+        assert [4, 4, 3, 4, 3, 3] in [values[:STEPS] for values in lines]
     finally:
         plt.close(fig)
 

@@ -60,8 +60,14 @@ ROWS = [
     pytest.param(exited(code=1, attached=False, tail="Traceback...\n  ...\nImportError: no foo\n"),
                  False, {}, True, "exited (exit code 1) before training started: ImportError: no foo",
                  id="crash-at-import-shows-its-last-line"),
-    pytest.param(exited(signal=9), False, {}, True, "exited (signal 9) before training started",
-                 id="killed-during-startup"),
+    pytest.param(exited(signal=9), False, {}, False, "exited (signal 9) before training started",
+                 id="killed-during-startup-is-a-fault"),
+    pytest.param(exited(signal=9, attached=False), False, {}, False, "(signal 9)",
+                 id="killed-while-importing-is-a-fault"),
+    pytest.param(exited(code=1, attached=True), False, {}, False, "exited (exit code 1)",
+                 id="library-crash-at-start-is-a-fault"),
+    pytest.param(exited(code=127, attached=False, tail="cannot run the worker command 'x'"),
+                 False, {}, True, "cannot run the worker command 'x'", id="command-cannot-run"),
 ]
 
 

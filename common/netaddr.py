@@ -1,0 +1,18 @@
+"""Which local address reaches a given peer."""
+
+from __future__ import annotations
+
+import socket
+
+
+def local_address_towards(host: str, port: int) -> str | None:
+    """The local address this host's traffic to ``host:port`` leaves from, or None.
+
+    A UDP connect only picks a route; no packet is sent.
+    """
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, port))
+            return str(probe.getsockname()[0])
+    except (OSError, OverflowError):
+        return None

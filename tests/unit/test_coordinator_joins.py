@@ -1,0 +1,167 @@
+"""The coordinator bringing capacity back (membership.py, joinflow.py): restarts get fresh
+replica ids, joiners get a donor, enter at a step boundary, spares wait caught up, and a
+worker lost during startup no longer fails the job."""
+
+from __future__ import annotations
+
+from recover.controller.jobstate import JobState
+from recover.controller.joins import MAX_ATTEMPTS
+from recover.proto import pb
+from tests.unit.coordinator_harness import Harness, make_job, plan_dict, scenario
+
+
+def ready(replica: int) -> pb.Ready:
+    return pb.Ready(pid=100 + replica, transfer_address=f"10.0.0.{replica}:7000")
+
+
+async def commit(h: Harness) -> None:
+    step = h.coord.step
+    await h.reduce()
+    await h.apply(step)
+
+
+async def restart(h: Harness, agent: str, slot: int = 0) -> int:
+    before = len(h.messages("replica_assigned"))
+    await h.coord.replica_request(agent, pb.ReplicaRequest(slot=slot, reason="exited"))
+    assigned = h.messages("replica_assigned")[before:]
+    assert len(assigned) == 1 and assigned[0][0] == agent and not assigned[0][1].refused
+    return assigned[0][1].replica
+
+
+@scenario
+async def test_a_restarted_worker_gets_a_fresh_id_joins_and_enters_at_a_commit():
+    h = Harness(make_job(replicas=3, steps=10, m=6))
+    await h.start()
+    await commit(h)
+    await h.coord.worker_exited(pb.WorkerExited(replica=1, signal=9))
+    assert h.coord.members == [0, 2]
+    replica = await restart(h, "a1")
+    assert replica == 3 and h.coord.agents["a1"].replicas == [1, 3]
+    stored = pb.AgentRecord.FromString(await h.store.get("/recover/job-unit/agents/a1"))
+    assert list(stored.replica_ids) == [1, 3]  # a new leader knows who hosts it
+    await h.coord.worker_ready(3, ready(3))
+    (donor_agent, donate), = h.messages("donate")
+    (joiner_agent, join), = h.messages("join")
+    assert (donate.joiner, donate.address, joiner_agent) == (3, "10.0.0.3:7000", "a1")
+    assert donate.token == join.token and len(join.token) == 32 and donate.donor == join.donor
+    assert h.coord.replicas[donate.donor].agent_id == donor_agent
+    assert h.coord.joins.joins[3].phase == "transferring"
+    # The joiner loaded a snapshot of step 1 and applied nothing since: step 1 is in flight.
+    h.coord.joins.progress(3, pb.JoinProgress(step=1, snapshot_bytes=4096, snapshot_s=0.01,
+                                              donor=join.donor))
+    assert h.events("state-transfer") and "4096 bytes" in h.events("state-transfer")[0].message
+    generation = h.coord.generation
+    await commit(h)  # commits step 1: the joiner needs only step 1's gradient now
+    last_commit = h.messages("commit")[-1][1]
+    assert last_commit.step == 1 and not last_commit.HasField("next_plan")
+    view = h.messages("generation")[-1][1]
+    assert view.generation == generation + 1 and list(view.members) == [0, 2, 3]
+    assert view.plan.step == 2 and plan_dict(view.plan) == {0: (0, 1), 2: (2, 3), 3: (4, 5)}
+    assert "a1" in [a for a, m in h.messages("generation") if m.generation == view.generation]
+    assert h.events("replica-joined") and not h.coord.joins.joins
+
+
+@scenario
+async def test_a_joiner_behind_the_commit_waits_and_one_beyond_capacity_is_a_spare():
+    h = Harness(make_job(replicas=2, steps=10, m=4))
+    h.job.spares = 1
+    await h.start()
+    await h.coord.register_agent("spare", "h", 1)  # room for one spare
+    await h.coord.worker_ready(2, ready(2))
+    join = h.messages("join")[-1][1]
+    h.coord.joins.progress(2, pb.JoinProgress(step=0, donor=join.donor))
+    await commit(h)  # the job has its 2 members: the caught-up joiner stays a spare
+    assert h.coord.members == [0, 1] and h.messages("commit")[-1][1].HasField("next_plan")
+    h.coord.joins.progress(2, pb.JoinProgress(step=1, donor=join.donor))
+    assert h.coord.joins.spares == [2]
+    await h.coord.worker_exited(pb.WorkerExited(replica=0, signal=9))
+    assert h.coord.members == [1]
+    await commit(h)  # the spare, caught up to step 1, enters at step 2
+    assert h.coord.members == [1, 2] and h.coord.step == 2
+
+
+@scenario
+async def test_a_spare_holding_this_steps_state_carries_on_when_every_member_is_lost():
+    h = Harness(make_job(replicas=1, steps=10, m=4))
+    h.job.spares = 1
+    await h.start([("a0", 2)])
+    assert h.coord.members == [0] and 1 in h.coord.joins.joins
+    join = h.messages("join")[-1][1]
+    h.coord.joins.progress(1, pb.JoinProgress(step=0, donor=join.donor))
+    await h.coord.worker_exited(pb.WorkerExited(replica=0, signal=9))
+    assert h.coord.state is JobState.RUNNING and h.coord.members == [1]
+    assert plan_dict(h.messages("generation")[-1][1].plan) == {1: (0, 1, 2, 3)}
+
+
+@scenario
+async def test_a_failed_transfer_tries_another_donor_then_gives_up():
+    h = Harness(make_job(replicas=3, steps=10, m=6))
+    await h.start()
+    await h.coord.worker_exited(pb.WorkerExited(replica=2, signal=9))
+    replica = await restart(h, "a2")
+    await h.coord.worker_ready(replica, ready(replica))
+    first = h.messages("join")[-1][1]
+    h.coord.joins.failed(replica, pb.JoinFailed(donor=first.donor, reason="peer closed"))
+    second = h.messages("join")[-1][1]
+    assert second.donor != first.donor and second.token != first.token
+    h.coord.joins.failed(replica, pb.JoinFailed(donor=first.donor, reason="late news"))
+    assert h.coord.stale_reports == 1  # a report about the replaced attempt
+    for _ in range(MAX_ATTEMPTS - 1):
+        donor = h.messages("join")[-1][1].donor
+        h.coord.joins.failed(replica, pb.JoinFailed(donor=donor, reason="peer closed"))
+    assert replica not in h.coord.joins.joins and h.events("join-abandoned")
+
+
+@scenario
+async def test_a_joiner_that_dies_changes_no_generation():
+    h = Harness(make_job(replicas=2, steps=10, m=4))
+    await h.start()
+    await h.coord.worker_exited(pb.WorkerExited(replica=1, signal=9))
+    generation = h.coord.generation
+    replica = await restart(h, "a1")
+    await h.coord.worker_ready(replica, ready(replica))
+    await h.coord.worker_exited(pb.WorkerExited(replica=replica, signal=9))
+    assert h.coord.generation == generation and not h.coord.joins.joins
+    assert h.coord.failures[-1].phase == "join"
+
+
+@scenario
+async def test_replacements_are_refused_when_the_job_is_full_or_over():
+    h = Harness(make_job(replicas=2, steps=1, m=2))
+    await h.start()
+    await h.coord.replica_request("a0", pb.ReplicaRequest(slot=0))
+    assert "has its 2 replicas" in h.messages("replica_assigned")[-1][1].refused
+    await commit(h)
+    assert h.coord.state is JobState.SUCCEEDED
+    await h.coord.replica_request("a0", pb.ReplicaRequest(slot=0))
+    assert "succeeded" in h.messages("replica_assigned")[-1][1].refused
+
+
+@scenario
+async def test_a_worker_killed_during_startup_is_replaced_and_the_job_starts():
+    h = Harness(make_job(replicas=2, steps=4, m=4))
+    await h.coord.register_agent("a", "h", 2)
+    await h.coord.worker_ready(0, ready(0))
+    await h.coord.worker_exited(pb.WorkerExited(replica=1, signal=9, attached=True))
+    assert h.coord.state is JobState.WAITING
+    replica = await restart(h, "a", slot=1)
+    await h.coord.worker_ready(replica, ready(replica))
+    assert h.coord.state is JobState.RUNNING and h.coord.members == [0, replica]
+
+
+@scenario
+async def test_without_a_replacement_the_job_starts_with_min_replicas_after_the_grace():
+    h = Harness(make_job(replicas=3, steps=4, m=6))
+    h.job.min_replicas = 2
+    await h.coord.register_agent("a", "h", 3)
+    await h.coord.worker_ready(0, ready(0))
+    await h.coord.worker_ready(1, ready(1))
+    await h.coord.worker_exited(pb.WorkerExited(replica=2, signal=9, attached=True))
+    await h.coord.check_liveness()
+    assert h.coord.state is JobState.WAITING
+    h.clock.now += h.coord.start_grace_s + 0.5
+    for agent in h.coord.agents.values():
+        agent.last_heartbeat = h.clock.now
+    await h.coord.check_liveness()
+    assert h.coord.state is JobState.RUNNING and h.coord.members == [0, 1]
+    assert "starting with 2 of 3 replicas" in h.events("started")[0].message

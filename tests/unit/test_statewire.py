@@ -1,0 +1,132 @@
+"""Training state as a typed tree plus raw tensor bytes (trainer/statewire.py), and the
+transfer stream that carries it between two processes' sockets (trainer/transfer.py)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+import torch
+
+from recover.proto import pb
+from recover.trainer.statewire import (
+    StateEncodingError,
+    as_bytes,
+    decode,
+    empty_tensors,
+    encode,
+)
+from recover.trainer.transfer import FrameKind, Listener, Stream, TransferError, connect
+
+
+def optimizer_state() -> dict:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)).to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.8, 0.9))
+    model(torch.ones(4, 3, dtype=torch.bfloat16)).sum().backward()
+    optimizer.step()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5)
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "lr_scheduler": scheduler.state_dict(),
+            "extra": {"counter": {"n": 3, "name": "x", "blob": b"\x00\x01", "none": None,
+                                  "flag": True, "big": 2**62, "f": 0.1}}}
+
+
+def roundtrip(state: dict) -> dict:
+    encoded = encode(state)
+    manifest = pb.StateManifest.FromString(encoded.manifest().SerializeToString())
+    tensors = list(empty_tensors(manifest.tensors))
+    for received, sent in zip(tensors, encoded.tensors, strict=True):
+        as_bytes(received)[:] = as_bytes(sent)  # what a transfer does, minus the socket
+    return decode(manifest.root, tensors)
+
+
+def assert_same(a: object, b: object) -> None:
+    # An OrderedDict comes back a dict: load_state_dict takes either.
+    assert type(a) is type(b) or (isinstance(a, dict) and isinstance(b, dict)), (a, b)
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape  # type: ignore[union-attr]
+        assert torch.equal(a, b)  # type: ignore[arg-type]
+    elif isinstance(a, dict):
+        assert list(a) == list(b)  # type: ignore[arg-type]
+        for key in a:
+            assert_same(a[key], b[key])  # type: ignore[index]
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b)  # type: ignore[arg-type]
+        for x, y in zip(a, b, strict=True):  # type: ignore[call-overload]
+            assert_same(x, y)
+    else:
+        assert a == b
+
+
+def test_a_real_training_state_survives_the_wire() -> None:
+    state = optimizer_state()
+    assert_same(roundtrip(state), state)
+
+
+def test_the_snapshot_is_a_copy_that_training_may_run_past() -> None:
+    weight = torch.ones(3)
+    encoded = encode({"w": weight})
+    weight.add_(1)
+    assert torch.equal(encoded.tensors[0], torch.ones(3))
+    assert encoded.nbytes == 12
+
+
+@pytest.mark.parametrize("state, where", [
+    ({"fn": print}, "state['fn']: a builtin_function_or_method cannot be sent"),
+    ({"x": {1: 2, "a": 3}}, "state['x']: dict keys must be all strings or all ints"),
+    ({"x": [1, object()]}, r"state['x'][1]: a object cannot be sent"),
+    ({"x": 2**70}, "does not fit in 64 bits"),
+])
+def test_what_cannot_travel_is_named_with_its_path(state: dict, where: str) -> None:
+    with pytest.raises(StateEncodingError) as caught:
+        encode(state)
+    assert where in str(caught.value)
+
+
+def streams() -> tuple[Stream, Stream]:
+    a, b = socket.socketpair()
+    return Stream(a), Stream(b)
+
+
+def test_frames_carry_a_message_and_its_tensors() -> None:
+    sender, receiver = streams()
+    grads = [torch.arange(6, dtype=torch.float32).view(2, 3), torch.ones(4, dtype=torch.bfloat16)]
+    step = pb.CatchUpStep(step=7, loss=1.5, tensors=[
+        pb.TensorMeta(dtype="float32", shape=[2, 3], nbytes=24),
+        pb.TensorMeta(dtype="bfloat16", shape=[4], nbytes=8)])
+    threading.Thread(target=sender.send, args=(FrameKind.STEP, step, grads)).start()
+    kind, message, tensors = receiver.receive()
+    assert kind is FrameKind.STEP and message == step
+    assert all(torch.equal(a, b) for a, b in zip(tensors, grads, strict=True))
+    sender.close()
+    with pytest.raises(TransferError, match="closed"):
+        receiver.receive()
+    receiver.close()
+
+
+def test_garbage_and_lies_are_refused() -> None:
+    a, b = socket.socketpair()
+    receiver = Stream(b)
+    a.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    with pytest.raises(TransferError, match="not a ReCoVer transfer frame"):
+        receiver.receive()
+    receiver.close()
+    a.close()
+
+
+def test_a_joiner_accepts_only_the_donor_with_its_token() -> None:
+    listener = Listener("127.0.0.1")
+    host, port = listener.address.rsplit(":", 1)
+    stranger = socket.create_connection((host, int(port)))
+    Stream(stranger).send(FrameKind.HELLO, pb.TransferHello(token="guess", donor=9, joiner=1))
+    donor: list[Stream] = []
+    threading.Thread(target=lambda: donor.append(connect(
+        listener.address, pb.TransferHello(token="s3cret", donor=2, joiner=1), 5.0))).start()
+    stream, hello = listener.accept("s3cret", 10.0)
+    assert hello.donor == 2
+    stream.close()
+    with pytest.raises(TransferError, match="no donor connected"):
+        listener.accept("s3cret", 0.3)
+    listener.close()
+    stranger.close()

@@ -1,0 +1,108 @@
+"""Checkpoints for total loss: taken at committed step boundaries, written in the background.
+
+A job survives losing replicas without checkpoints (joins copy state from a
+live replica); a checkpoint is for losing all of them. At a step boundary the
+first member copies its state in memory (the only time the training loop
+pays), and a background thread writes the copy (common/ckptfile.py: atomic,
+checksummed, old ones pruned) while training goes on. The schedule is keyed by
+the step (`every_steps`), so whichever replica is first writes the same
+checkpoints; `every_s` uses the writer's clock. A checkpoint still being
+written when the next is due makes that one skipped, not queued.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from recover.common import ckptfile
+from recover.proto import pb
+from recover.trainer.statewire import as_bytes, decode, empty_tensors, encode
+
+log = logging.getLogger("recover.trainer")
+
+
+def checkpoint_due(next_step: int, *, every_steps: int, every_s: float, last_step: int,
+                   last_at: float, now: float) -> bool:
+    """Is the state before `next_step` due for a checkpoint? (last_step: the newest one
+    written or being written, -1 if none; last_at: when it was taken.)"""
+    if next_step <= last_step or next_step == 0:
+        return False
+    if every_steps > 0:
+        return next_step % every_steps == 0
+    return every_s > 0 and now - last_at >= every_s
+
+
+class CheckpointWriter:
+    def __init__(self, config: pb.CheckpointConfig, job: pb.JobConfig, replica: int,
+                 report: Callable[[pb.CheckpointWritten], None], first_step: int) -> None:
+        self.config = config
+        self.folder = Path(config.dir)
+        self._job = job
+        self._replica = replica
+        self._report = report
+        self._last_step = first_step  # a resumed job does not write its own starting point
+        self._last_at = time.monotonic()
+        self._thread: threading.Thread | None = None
+
+    def maybe_write(self, next_step: int, state: Callable[[], dict[str, Any]],
+                    ledger: list[pb.StepRecord]) -> None:
+        now = time.monotonic()
+        if not checkpoint_due(next_step, every_steps=self.config.every_steps,
+                              every_s=self.config.every_s, last_step=self._last_step,
+                              last_at=self._last_at, now=now):
+            return
+        if self._thread is not None and self._thread.is_alive():
+            log.warning("checkpoint of step %d skipped: the previous one is still being written",
+                        next_step)
+            return
+        started = time.perf_counter()
+        encoded = encode(state())  # the in-memory copy: training may run past it now
+        meta = pb.CheckpointMeta(job=self._job, step=next_step, state=encoded.manifest(),
+                                 ledger=ledger, created_at=time.time(), writer=self._replica)
+        meta.job.ClearField("resume")
+        snapshot_s = time.perf_counter() - started
+        self._last_step, self._last_at = next_step, now
+        self._thread = threading.Thread(target=self._write, args=(meta, encoded.tensors, snapshot_s),
+                                        daemon=True, name=f"checkpoint-{next_step}")
+        self._thread.start()
+
+    def _write(self, meta: pb.CheckpointMeta, tensors: list[torch.Tensor],
+               snapshot_s: float) -> None:
+        started = time.perf_counter()
+        try:
+            path = ckptfile.write(self.folder, meta, (as_bytes(t) for t in tensors))
+            removed = ckptfile.prune(self.folder, self.config.keep or ckptfile.DEFAULT_KEEP)
+        except OSError as exc:
+            log.error("checkpoint of step %d failed: %s", meta.step, exc)
+            return
+        write_s = time.perf_counter() - started
+        log.info("checkpoint of step %d written to %s in %.2fs (%d old ones pruned)", meta.step,
+                 path, write_s, len(removed))
+        self._report(pb.CheckpointWritten(step=meta.step, path=str(path),
+                                          bytes=path.stat().st_size, write_s=write_s,
+                                          snapshot_s=snapshot_s))
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Let a write in progress finish (a job that ends keeps its last checkpoint)."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+
+def load(path: str) -> tuple[pb.CheckpointMeta, Any]:
+    """The checkpoint's meta and its state tree (checksum verified)."""
+    meta, offset = ckptfile.read_meta(Path(path))
+    tensors = list(empty_tensors(meta.state.tensors))
+    with open(path, "rb") as f:
+        f.seek(offset)
+        for tensor in tensors:
+            view = as_bytes(tensor)
+            if f.readinto(view) != len(view):
+                raise ckptfile.CheckpointError(f"{Path(path).name} is truncated")
+    return meta, decode(meta.state.root, tensors)
