@@ -116,7 +116,8 @@ async def _attempt(address: str, first: list[pb.AgentMessage], attempt_s: float,
         reply = await asyncio.wait_for(_first_non_heartbeat(call), reply_s)
     except grpc.aio.AioRpcError as exc:
         await _close(channel, queue)
-        if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+        if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED,
+                          grpc.StatusCode.UNAUTHENTICATED):
             raise LinkError(f"the controller at {address} refused this agent: {exc.details()}"
                             ) from None
         return exc.details() or exc.code().name

@@ -8,6 +8,7 @@ status, and writes OUT/summary.json when the job ends.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import signal
 import subprocess
@@ -20,7 +21,7 @@ import grpc
 
 from recover.cli import inspect
 from recover.cli.jobargs import UsageError, job_from_args, job_to_args
-from recover.controller.store import StoreError, open_store
+from recover.cli.preflight import check_out, check_store
 from recover.controller.summary import build_summary, format_summary, write_summary
 from recover.proto import pb
 
@@ -28,6 +29,14 @@ TERMINAL = ("succeeded", "failed")
 SHOWN_EVENTS = ("replica-failed", "generation", "recovered", "agent-lost", "failed", "divergence",
                 "replica-joined", "spare-promoted", "state-transfer", "join-abandoned",
                 "checkpoint-written", "resumed")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM: stop the job as Ctrl-C does."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated
 
 
 class LaunchError(Exception):
@@ -51,8 +60,11 @@ class LocalJob:
         log = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115 (closed in stop())
         self._files.append(log)
         # A session of its own: Ctrl-C reaches only the launcher, which then
-        # stops the parts in order instead of every process dying at once.
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+        # stops the parts in order instead of every process dying at once. Should the
+        # launcher itself be SIGKILLed, each part ends on its own (RECOVER_PARENT_PID:
+        # cli/lifetime.py), so no job outlives its launcher.
+        env = dict(os.environ, RECOVER_PARENT_PID=str(os.getpid()))
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                    stdin=subprocess.DEVNULL, start_new_session=True)
         self.processes[name] = process
         return process
@@ -62,7 +74,10 @@ class LocalJob:
         return " | ".join(text[-lines:])
 
     def stop(self, grace_s: float = 5.0) -> None:
-        """End the controllers (standbys first, so none takes over); agents then leave."""
+        """End the controllers (standbys first, so none takes over); agents then leave.
+        Signals are ignored meanwhile: a second Ctrl-C must not cut the cleanup short."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
         deadline = time.monotonic() + grace_s
         for name in sorted(self.processes, key=lambda n: n == "controller"):
             process = self.processes[name]
@@ -160,10 +175,8 @@ def run_local(args: argparse.Namespace) -> int:
     else:
         job_config = job_from_args(args)
     check_command(list(job_config.workload.command))
-    try:
-        open_store(args.store)
-    except StoreError as exc:
-        raise UsageError(f"recover run: --store: {exc}") from None
+    check_out(args.out)
+    check_store(args.store, "recover run", args.store_timeout)
     if args.controllers < 1:
         raise UsageError(f"recover run: --controllers must be at least 1, got {args.controllers}")
     if args.controllers > 1 and not args.store.startswith("etcd://"):
@@ -183,6 +196,7 @@ def run_local(args: argparse.Namespace) -> int:
     for port_file in port_files:
         port_file.unlink(missing_ok=True)
     job = LocalJob(out)
+    signal.signal(signal.SIGTERM, _terminate)
     progress = Progress(enabled=not args.quiet)
     python = sys.executable
     started = time.monotonic()
@@ -222,10 +236,10 @@ def run_local(args: argparse.Namespace) -> int:
         progress.done()
         print(f"recover run: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
         progress.done()
         print("recover run: interrupted; stopping the job", file=sys.stderr)
-        return 130
+        return 143 if isinstance(interrupt, Terminated) else 130
     finally:
         job.stop()
         for port_file in port_files:

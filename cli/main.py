@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import signal
 import sys
 
 from recover.cli import bench, jobfile
@@ -28,6 +30,7 @@ from recover.cli.jobargs import (
     parse_address,
     positive_seconds,
 )
+from recover.common.lifetime import die_with_parent
 
 JOB_COMMANDS = (("run",), ("controller",), ("bench", "throughput"), ("bench", "overhead"))
 """Subcommands that take job flags (and a `--job FILE`)."""
@@ -47,6 +50,8 @@ def build_parser() -> Parser:
     run.add_argument("--quiet", action="store_true", help="no live progress display")
     run.add_argument("--store", default="memory://",
                      help="controller state store: memory:// (default) or etcd://HOST:PORT[,...]")
+    run.add_argument("--store-timeout", type=positive_seconds, default=10.0,
+                     help="seconds the store gets to answer before the run gives up (default 10)")
     bench.add_run_mode_arguments(run)
     run.add_argument("--start-timeout", type=positive_seconds, default=120.0,
                      help="seconds the workers get to build their models and report ready")
@@ -69,6 +74,8 @@ def build_parser() -> Parser:
     ctl.add_argument("--port-file", default=None, help="write the chosen port here")
     ctl.add_argument("--store", default="memory://",
                      help="state store: memory:// (default) or etcd://HOST:PORT[,HOST:PORT...]")
+    ctl.add_argument("--store-timeout", type=positive_seconds, default=10.0,
+                     help="seconds the store gets to answer at start before giving up (default 10)")
     ctl.add_argument("--metrics-port", type=int, default=None,
                      help="serve Prometheus metrics on this port (0: any free port)")
     ctl.add_argument("--agent-timeout", type=positive_seconds, default=3.0,
@@ -161,7 +168,6 @@ def job_parser(parser: Parser, path: tuple[str, ...]) -> Parser:
 def _run_controller(args: argparse.Namespace) -> int:
     from recover.common import logs
     from recover.controller.server import ControllerConfig, serve
-    from recover.controller.store import StoreError, open_store
 
     if args.resume is not None:
         from recover.cli.resume import resumed_job
@@ -175,12 +181,12 @@ def _run_controller(args: argparse.Namespace) -> int:
         raise UsageError(f"--port {args.port} is not a port number")
     if args.advertise is not None:
         parse_address(args.advertise, "--advertise")
+    from recover.cli.preflight import check_host, check_store
+
+    check_host(args.host)
     if not 2 <= args.lease_ttl <= 60:
         raise UsageError(f"--lease-ttl must be 2..60 seconds, got {args.lease_ttl}")
-    try:
-        open_store(args.store)
-    except StoreError as exc:
-        raise UsageError(f"recover controller: --store: {exc}") from None
+    check_store(args.store, "recover controller", args.store_timeout)
     logs.configure("controller")
     config = ControllerConfig(host=args.host, port=args.port, port_file=args.port_file,
                               store_url=args.store, agent_timeout_s=args.agent_timeout,
@@ -218,8 +224,18 @@ def _run_agent(args: argparse.Namespace) -> int:
         return 1
 
 
+def _end_with_launcher() -> None:
+    """Started by `recover run`: end when it ends, even SIGKILLed (no orphaned job)."""
+    parent = os.environ.get("RECOVER_PARENT_PID", "")
+    if parent.isdigit() and not die_with_parent(int(parent), signal.SIGTERM):
+        print("recover: the launcher is gone; not starting", file=sys.stderr)
+        raise SystemExit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] in (["controller"], ["agent"]):
+        _end_with_launcher()
     parser = build_parser()
     try:
         for path in JOB_COMMANDS:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Callable
 
@@ -91,6 +92,8 @@ class Coordinator(Membership):
         self.joins = JoinFlow(self)
         """Replicas joining the running job (restarts, replacement hosts, hot spares)."""
         self.last_checkpoint: pb.CheckpointWritten | None = None
+        self.rejected: dict[str, int] = {}
+        """Refused registrations, reports and calls, by reason (controller/authz.py)."""
         self.startup_failed_at: float | None = None
         """When a worker last failed before the job started (admission.start_decision)."""
 
@@ -180,7 +183,8 @@ class Coordinator(Membership):
         self.recovery.generation_started()
         view = pb.GenerationView(
             generation=self.generation, members=members, rendezvous=self._rendezvous,
-            plan=plan_message(self.step, self.generation, self.scale_epoch, decision))
+            plan=plan_message(self.step, self.generation, self.scale_epoch, decision),
+            rendezvous_prefix=secrets.token_hex(16))
         await self._store.put(self._prefix + "generation", view.SerializeToString())
         self.events.emit("generation", f"members {members}; {decision.reason}",
                          step=self.step, generation=self.generation)

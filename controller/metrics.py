@@ -29,6 +29,7 @@ walks the coordinator's state. Names (all prefixed `recover_`):
 | `recover_joins_abandoned_total` | counter | joins given up after their attempts |
 | `recover_state_transfer_seconds` | histogram | time to transfer a donor's snapshot to a joiner |
 | `recover_last_checkpoint_step` | gauge | step of the newest checkpoint written (-1: none) |
+| `recover_rejected_total` | counter, by reason | refused registrations, reports and calls (authz.py) |
 """
 
 from __future__ import annotations
@@ -126,6 +127,11 @@ class ControllerCollector(Collector):
         yield transfer
         yield gauge("recover_last_checkpoint_step", "Step of the newest checkpoint written",
                     c.last_checkpoint.step if c.last_checkpoint is not None else -1)
+        rejected = CounterMetricFamily("recover_rejected", "Refused messages and calls by reason",
+                                       labels=["reason"])
+        for reason, count in sorted(c.rejected.items()):
+            rejected.add_metric([str(reason)], count)
+        yield rejected
         state = GaugeMetricFamily("recover_job_state", "1 for the job's current state",
                                   labels=["state"])
         for value in JobState:

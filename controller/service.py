@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from recover.controller import authz
 from recover.controller.coordinator import Coordinator
 from recover.controller.jobstate import RegistrationRefused
 from recover.controller.leader import LeaderElection, LostLeadership
@@ -43,6 +44,7 @@ class AgentSessions(rpc.AgentSessionServicer):
         """Set when a send or write was refused because the lease may be gone."""
         self.refused_sends = 0
         """Commands not sent because our lease may have expired (a deposed leader's)."""
+
         self._coordinator: Coordinator | None = None
         self._queues: dict[str, asyncio.Queue[pb.ControllerMessage | None]] = {}
 
@@ -99,7 +101,7 @@ class AgentSessions(rpc.AgentSessionServicer):
             return
         queue: asyncio.Queue[pb.ControllerMessage | None] = asyncio.Queue()
         agent_id: str | None = None
-        refused: list[str] = []
+        refused: list[tuple[grpc.StatusCode, str]] = []
 
         async def read() -> None:
             nonlocal agent_id
@@ -108,19 +110,28 @@ class AgentSessions(rpc.AgentSessionServicer):
                     kind = message.WhichOneof("kind")
                     if kind == "register" and agent_id is None:
                         reg = message.register
-                        self._queues[reg.agent_id] = queue
                         async with self.lock:
+                            verdict = authz.may_register(reg.agent_id, self._queues)
+                            if not verdict.allowed:
+                                self.reject(coordinator, verdict)
+                                refused.append((grpc.StatusCode.PERMISSION_DENIED, verdict.reason))
+                                return
+                            # Installed only now that no live session holds this id, so a
+                            # refusal never touches another agent's session.
+                            self._queues[reg.agent_id] = queue
                             try:
                                 await coordinator.register_agent(
                                     reg.agent_id, reg.host, reg.slots,
                                     list(reg.replica_ids) if reg.resume else None)
                             except RegistrationRefused as refusal:
-                                self._queues.pop(reg.agent_id, None)
-                                refused.append(str(refusal))
+                                if self._queues.get(reg.agent_id) is queue:
+                                    del self._queues[reg.agent_id]
+                                refused.append((grpc.StatusCode.FAILED_PRECONDITION, str(refusal)))
                                 return
                         agent_id = reg.agent_id
                     elif agent_id is None:
-                        refused.append("the first message of a session must be `register`")
+                        refused.append((grpc.StatusCode.FAILED_PRECONDITION,
+                                        "the first message of a session must be `register`"))
                         return
                     else:
                         await self._dispatch(coordinator, agent_id, kind, message)
@@ -138,7 +149,7 @@ class AgentSessions(rpc.AgentSessionServicer):
                 if out.WhichOneof("kind") == "shutdown":
                     break
             if refused:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refused[0])
+                await context.abort(*refused[0])
         finally:
             reader.cancel()
             if agent_id is not None and coordinator is self._coordinator:
@@ -150,6 +161,21 @@ class AgentSessions(rpc.AgentSessionServicer):
                     except LostLeadership:
                         self.deposed.set()
 
+    @staticmethod
+    def _about(kind: str | None, message: pb.AgentMessage) -> tuple[int, str]:
+        """(the replica a message concerns, what it is) for authorization."""
+        if kind == "worker_exited":
+            return message.worker_exited.replica, "worker_exited"
+        if kind == "report":
+            return message.report.replica, message.report.WhichOneof("kind") or ""
+        return -1, kind or ""
+
+    def reject(self, coordinator: Coordinator, verdict: authz.Verdict) -> None:
+        """Count and log a refusal (never raise: a bad client must not hurt the job)."""
+        code = verdict.code or authz.Reason.FORBIDDEN
+        coordinator.rejected[code] = coordinator.rejected.get(code, 0) + 1
+        coordinator.events.emit("rejected", f"{code}: {verdict.reason}", level=logging.WARNING)
+
     async def _dispatch(self, coordinator: Coordinator, agent_id: str, kind: str | None,
                         message: pb.AgentMessage) -> None:
         if kind == "heartbeat":
@@ -159,6 +185,12 @@ class AgentSessions(rpc.AgentSessionServicer):
             if coordinator is not self._coordinator:
                 return  # this term is over
             coordinator.heartbeat(agent_id)  # any message proves the agent alive
+            replica, what = self._about(kind, message)
+            agent = coordinator.agents.get(agent_id)
+            verdict = authz.may_report(agent_id, what, replica, agent.replicas if agent else ())
+            if not verdict.allowed:
+                self.reject(coordinator, verdict)
+                return
             if kind == "worker_exited":
                 await coordinator.worker_exited(message.worker_exited)
             elif kind == "replica_request":

@@ -137,16 +137,18 @@ class Plan(_message.Message):
     def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., assignments: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., reason: _Optional[str] = ..., scale_epoch: _Optional[int] = ...) -> None: ...
 
 class GenerationView(_message.Message):
-    __slots__ = ("generation", "members", "rendezvous", "plan")
+    __slots__ = ("generation", "members", "rendezvous", "plan", "rendezvous_prefix")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_PREFIX_FIELD_NUMBER: _ClassVar[int]
     generation: int
     members: _containers.RepeatedScalarFieldContainer[int]
     rendezvous: str
     plan: Plan
-    def __init__(self, generation: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., rendezvous: _Optional[str] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ...) -> None: ...
+    rendezvous_prefix: str
+    def __init__(self, generation: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., rendezvous: _Optional[str] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., rendezvous_prefix: _Optional[str] = ...) -> None: ...
 
 class Commit(_message.Message):
     __slots__ = ("step", "generation", "next_plan", "final", "microbatches", "tokens", "record")

@@ -25,12 +25,10 @@ Mistakes in the user's part end the worker with one line naming the problem
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import math
 import os
-import signal
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -41,6 +39,7 @@ import torch
 
 from recover.common import logs
 from recover.common.ckptfile import CheckpointError
+from recover.common.lifetime import die_with_parent
 from recover.common.progress import ProgressBeacon
 from recover.proto import pb
 from recover.trainer.channel import AgentChannel, ChannelClosed
@@ -58,7 +57,6 @@ from recover.trainer.workload import ForwardBackwardFn, LossFn, Stateful, StepIn
 
 log = logging.getLogger("recover.trainer")
 
-PR_SET_PDEATHSIG = 1
 EXIT_WORKLOAD_ERROR = 1
 EXIT_NOT_LAUNCHED = 2
 EXIT_AGENT_GONE = 3
@@ -118,20 +116,8 @@ def _die_with_agent() -> bool:
     whose whole process group the agent kills; either way the agent's channel
     closing stops a worker too. Returns False when the agent is already gone.
     """
-    agent_pid = os.environ.get("RECOVER_AGENT_PID")
-    if agent_pid is None or not sys.platform.startswith("linux"):
-        return True
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() == 1:  # orphaned before the signal was armed
-        return False
-    try:
-        os.kill(int(agent_pid), 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, ValueError):
-        pass
-    return True
+    agent_pid = os.environ.get("RECOVER_AGENT_PID", "")
+    return die_with_parent(int(agent_pid) if agent_pid.isdigit() else None)
 
 
 def _device(slot: int) -> torch.device:

@@ -83,6 +83,9 @@ class GroupSpec:
     """Port of the rendezvous TCPStore."""
     timeout_s: float = 30.0
     """Store and gloo timeout. Safety net only: the controller's abort is the fast path."""
+    secret: str = ""
+    """The generation's secret key prefix (controller/rendezvous.py): strangers who reach the
+    store cannot find, read or write this group's keys."""
 
 
 def _foreign() -> set[int]:
@@ -228,7 +231,8 @@ class GenerationGroup:
             opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in stubs
             opts._timeout = timeout
             opts._devices = gloo_devices(spec.store_host, spec.store_port)
-            pg = dist.ProcessGroupGloo(dist.PrefixStore(f"gen/{spec.generation}/", store),
+            prefix = f"gen/{spec.generation}/{spec.secret}/" if spec.secret else f"gen/{spec.generation}/"
+            pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store),
                                        spec.rank, spec.world_size, opts)
         except Exception as e:  # noqa: BLE001 - any rendezvous failure means "rebuild"
             # Keep only the message: the exception's traceback would keep the

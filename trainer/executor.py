@@ -162,7 +162,7 @@ class StepExecutor(JoinSteps):
         group = GenerationGroup(GroupSpec(
             generation=view.generation, rank=self.members.index(self.replica),
             world_size=len(self.members), store_host=host, store_port=int(port),
-            timeout_s=self.job.group_timeout_s or 30.0))
+            timeout_s=self.job.group_timeout_s or 30.0, secret=view.rendezvous_prefix))
         self._install_group(group)
         if recovering and self.faults.armed(self.state.step, "rebuild"):
             self.faults.fire_soon(self.state.step, "rebuild")

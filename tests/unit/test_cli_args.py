@@ -124,6 +124,16 @@ USAGE_CASES = [
                  id="agent-without-controller"),
     pytest.param(["status", "--controller", "localhost"], "--controller 'localhost' is not HOST:PORT",
                  id="status-controller-without-port"),
+    pytest.param(["controller", "--host", "256.1.1.1"], "--host '256.1.1.1' is neither an IP",
+                 id="controller-host-not-an-address"),
+    pytest.param(["controller", "--host", "192.0.2.7"], "is not an address of this machine",
+                 id="controller-host-not-local"),
+    pytest.param(["run", "--store", "etcd://127.0.0.1:1", "--store-timeout", "1"],
+                 "recover run: --store etcd://127.0.0.1:1: no answer within 1s",
+                 id="run-etcd-unreachable"),
+    pytest.param(["controller", "--store", "etcd://127.0.0.1:1", "--store-timeout", "1"],
+                 "recover controller: --store etcd://127.0.0.1:1: no answer within 1s",
+                 id="controller-etcd-unreachable"),
 ]
 
 
@@ -135,6 +145,12 @@ def test_usage_errors_exit_2_with_one_line(capsys, tmp_path, argv, phrase):
     assert code == 2
     assert out == ""
     assert_one_line(err, phrase)
+
+
+def test_an_empty_out_folder_is_refused(capsys):
+    code, out, err = run_main(capsys, ["run", "--quiet", "--out", ""])
+    assert code == 2 and out == ""
+    assert_one_line(err, "--out is empty")
 
 
 def test_status_with_nobody_listening_exits_1(capsys, monkeypatch):

@@ -1,0 +1,67 @@
+"""Who may say what to the controller: pure decisions with their reasons, table-tested.
+
+Authorization is by session first: an agent's identity is bound when it
+registers, and from then on it speaks only for the replicas the controller
+assigned to it. So even on a loopback run without TLS, a stranger that
+registers cannot report for (or kill, or commit) another agent's replicas,
+and a registration that claims a live agent's id is refused before it can
+touch that agent's session. With TLS or tokens (security.py) the identity is
+also proven, and roles limit the user-facing RPCs.
+
+Every refusal is counted by its `reason` (the metric
+`recover_rejected_total{reason}`) and logged as a `rejected` event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Reason(StrEnum):
+    """Why a message or call was refused (the metric's label)."""
+
+    IMPOSTOR = "impostor"
+    """A registration claiming the id of an agent that has a live session."""
+    FOREIGN_REPLICA = "foreign-replica"
+    """A report about a replica this session's agent does not host."""
+    UNAUTHENTICATED = "unauthenticated"
+    """No valid credentials (certificate or token) where they are required."""
+    FORBIDDEN = "forbidden"
+    """Valid credentials, but the role may not do this."""
+    MALFORMED = "malformed"
+    """Bytes that are not the message they claim to be."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    allowed: bool
+    reason: str
+    """Human-readable: why (for the event and the refused client)."""
+    code: Reason | None = None
+
+
+ALLOWED = Verdict(True, "allowed")
+
+
+def may_register(agent_id: str, live_sessions: Collection[str]) -> Verdict:
+    """A registration may not take over the id of an agent whose session is live: the live
+    agent keeps its session untouched (a stranger must not be able to knock it out)."""
+    if agent_id in live_sessions:
+        return Verdict(False, f"agent id {agent_id!r} has a live session; refusing a second one",
+                       Reason.IMPOSTOR)
+    return ALLOWED
+
+
+REPLICA_MESSAGES = ("worker_exited", "ready", "resumed", "reduced", "applied", "join_progress",
+                    "join_failed", "checkpoint_written")
+"""Messages about one replica: only its own agent may send them."""
+
+
+def may_report(agent_id: str, kind: str, replica: int, hosted: Collection[int]) -> Verdict:
+    """May this session's agent send a `kind` message about `replica`?"""
+    if kind in REPLICA_MESSAGES and replica not in hosted:
+        return Verdict(False, f"agent {agent_id!r} reported {kind} for replica {replica}, which "
+                              "it does not host", Reason.FOREIGN_REPLICA)
+    return ALLOWED

@@ -1,0 +1,180 @@
+"""An attacker on the network, scripted against real running jobs (security off, loopback):
+impersonation and forged reports are refused by session, the rendezvous store keeps its
+keys, and a job does not outlive its launcher. The job's result stays bitwise its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import grpc
+import pytest
+
+from recover.proto import pb, rpc
+from tests.integration.conftest import (
+    assert_bitwise_identical,
+    recover_cmd,
+    run_recover,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+ARGS = ["--replicas", "3", "--steps", "40", "-M", "6", "-B", "4", "--seed", "5", "--quiet",
+        "--reduce", "exact", "--compute-ms", "20", "--max-restarts", "0",
+        "--kill", "step=1,replica=2,phase=forward"]  # leaves room for a rogue agent
+
+
+class Rogue:
+    """A hand-written agent session: whatever the test puts in, out it goes."""
+
+    def __init__(self, address: str, first: pb.AgentMessage) -> None:
+        self.outgoing: queue.SimpleQueue[pb.AgentMessage | None] = queue.SimpleQueue()
+        self.outgoing.put(first)
+        self.channel = grpc.insecure_channel(address)
+        self.replies = rpc.AgentSessionStub(self.channel).Session(self._requests())
+
+    def _requests(self) -> Iterator[pb.AgentMessage]:
+        while (message := self.outgoing.get()) is not None:
+            yield message
+
+    def first_reply(self) -> pb.ControllerMessage:
+        return next(self.replies)
+
+    def close(self) -> None:
+        self.outgoing.put(None)
+        self.channel.close()
+
+
+def status(address: str) -> pb.JobStatus | None:
+    try:
+        with grpc.insecure_channel(address) as channel:
+            return rpc.ControlStub(channel).Status(pb.StatusRequest(), timeout=2)
+    except grpc.RpcError:
+        return None
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def job_processes(marker: str) -> list[str]:
+    out = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "pgrep" not in line]
+
+
+def test_impostors_forged_reports_and_strangers_change_nothing(tmp_path: Path) -> None:
+    reference = run_recover(tmp_path / "reference", *ARGS, timeout=120)
+    assert reference.returncode == 0, reference.stderr
+    out = tmp_path / "attacked"
+    proc = subprocess.Popen(recover_cmd("run", "--out", str(out), *ARGS),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        port = wait_for(lambda: (out / "controller.port").exists()
+                        and (out / "controller.port").read_text(), 60, "the controller")
+        address = f"127.0.0.1:{port}"
+        wait_for(lambda: (s := status(address)) is not None and s.steps_committed >= 3
+                 and len(s.live_replicas) == 2, 90, "step 3 on two replicas")
+        # 1. Impersonation: a registration claiming a live agent's id.
+        impostor = Rogue(address, pb.AgentMessage(register=pb.RegisterAgent(
+            agent_id="host0", host="evil", slots=1)))
+        with pytest.raises(grpc.RpcError) as refused:
+            impostor.first_reply()
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "has a live session" in refused.value.details()
+        impostor.close()
+        # 2. A rogue agent with a session of its own forges reports about other replicas.
+        rogue = Rogue(address, pb.AgentMessage(register=pb.RegisterAgent(
+            agent_id="rogue", host="evil", slots=1)))
+        registered = rogue.first_reply().registered
+        forged_step = status(address).steps_committed  # type: ignore[union-attr]
+        for message in (
+                pb.AgentMessage(worker_exited=pb.WorkerExited(replica=0, signal=9)),
+                pb.AgentMessage(report=pb.WorkerReport(replica=1, reduced=pb.Reduced(
+                    generation=2, step=forged_step, microbatch_ids=range(6), loss=999.0))),
+                pb.AgentMessage(report=pb.WorkerReport(replica=0, applied=pb.Applied(
+                    step=forged_step - 1, param_sha256="ff" * 32)))):
+            rogue.outgoing.put(message)
+        # 3. A stranger at the rendezvous store: it does not listen beyond loopback, and the
+        # group's keys are under a prefix the stranger cannot know.
+        from torch.distributed import TCPStore
+
+        host, store_port = _rendezvous(out)
+        sockets = subprocess.run(["ss", "-ltnH"], capture_output=True, text=True).stdout
+        bound = [line.split()[3] for line in sockets.splitlines()
+                 if line.split()[3].endswith(f":{store_port}")]
+        assert bound == [f"127.0.0.1:{store_port}"], bound  # not 0.0.0.0 nor [::]
+        stranger = TCPStore(host, store_port, is_master=False, timeout=timedelta(seconds=2))
+        with pytest.raises(RuntimeError):
+            stranger.get("gen/2/0")  # where an unprotected group would keep rank 0's address
+        del stranger
+        _, stderr = proc.communicate(timeout=120)
+        rogue.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert_bitwise_identical(summary, reference.summary)
+    lost = [f["replica"] for f in summary["failures"]]
+    assert 2 in lost and 0 not in lost  # the forged exit of replica 0 changed nothing
+    assert registered.replica_ids == [3]
+    log = (out / "logs" / "controller.log").read_text()
+    assert "rejected: impostor" in log and log.count("rejected: foreign-replica") == 3
+
+
+def _rendezvous(out: Path) -> tuple[str, int]:
+    """The rendezvous address the controller logged at start."""
+    for line in (out / "logs" / "controller.log").read_text().splitlines():
+        if "rendezvous " in line:
+            address = line.split("rendezvous ", 1)[1].split(",", 1)[0]
+            host, _, port = address.rpartition(":")
+            return host, int(port)
+    raise AssertionError("no rendezvous address in the controller log")
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "double SIGINT"])
+def test_no_process_of_the_job_outlives_its_launcher(tmp_path: Path, how: str) -> None:
+    out = tmp_path / "run"
+    proc = subprocess.Popen(recover_cmd("run", "--out", str(out), "--replicas", "2",
+                                        "--steps", "2000", "-M", "4", "--quiet"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        port = wait_for(lambda: (out / "controller.port").exists()
+                        and (out / "controller.port").read_text(), 60, "the controller")
+        wait_for(lambda: (s := status(f"127.0.0.1:{port}")) is not None
+                 and s.steps_committed >= 2, 90, "training")
+        assert len(job_processes(str(out))) >= 4  # launcher, controller, 2 agents
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            events = rpc.ControlStub(channel).Events(pb.EventsRequest(), timeout=2).events
+        workers = [int(e.message.split()[1].rstrip(",")) for e in events
+                   if e.kind == "replica-ready"]
+        assert len(workers) == 2
+        if how == "SIGKILL":
+            proc.kill()
+        elif how == "SIGTERM":
+            proc.terminate()
+        else:
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.1)
+            proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+        wait_for(lambda: not job_processes(str(out)) and not any(map(alive, workers)), 5,
+                 "every process of the job to end")
+    finally:
+        for line in job_processes(str(out)):
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
