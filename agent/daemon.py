@@ -34,6 +34,8 @@ from recover.proto import pb, rpc
 log = logging.getLogger("recover.agent")
 CONFIRM_HANG_S = 0.02
 """Pause before re-reading a hung-looking worker's progress file to confirm the verdict."""
+RETRY_REQUEST_S = 1.0
+"""Pause before asking again for a replica the controller could not grant yet (a takeover)."""
 
 
 class AgentError(Exception):
@@ -238,6 +240,7 @@ class Agent:
 
     async def _watch(self, worker: WorkerProcess) -> None:
         returncode = await worker.process.wait()
+        worker.kill_group()  # what the worker started (a data loader, a wrapper's child) goes too
         worker.commands.put_nowait(None)
         if self._shutdown is not None:
             return
@@ -251,12 +254,13 @@ class Agent:
                                   deterministic_error=worker.error is not None
                                   and worker.error.deterministic)
         log.info("%s", decision.reason, extra={"replica": worker.replica})
+        if worker.log_file is not None:  # one descriptor per restart would add up
+            worker.log_file.close()
+            worker.log_file = None
         if decision.restart:
             self.restarts[worker.slot] = restarts + 1
-            await asyncio.sleep(decision.delay_s)
-            if self._shutdown is None:
-                self._upstream.put_nowait(pb.AgentMessage(replica_request=pb.ReplicaRequest(
-                    slot=worker.slot, reason=f"replica {worker.replica} exited")))
+            await self._request_replica(worker.slot, f"replica {worker.replica} exited",
+                                        decision.delay_s)
 
     async def _watchdog(self, job: pb.JobConfig) -> None:
         """Kill workers that stopped making progress; their exit is then a plain crash."""
@@ -328,12 +332,27 @@ class Agent:
             self._forward(pb.WorkerCommand(join=message.join), [message.join.joiner])
         elif kind == "replica_assigned":
             assigned = message.replica_assigned
-            if assigned.refused:
+            if assigned.refused and assigned.retryable:
+                log.info("slot %d: %s; asking again", assigned.slot, assigned.refused)
+                self._tasks.append(asyncio.create_task(self._request_replica(
+                    assigned.slot, "asking again", RETRY_REQUEST_S)))
+            elif assigned.refused:
                 log.warning("slot %d stays empty: %s", assigned.slot, assigned.refused)
             else:
                 self._tasks.append(asyncio.create_task(self._spawn(assigned.slot,
                                                                    assigned.replica)))
+        elif kind == "stop_replica":
+            worker = self.workers.get(message.stop_replica.replica)
+            if worker is not None and worker.process.returncode is None:
+                worker.killed_by_agent = f"stopped by the controller: {message.stop_replica.reason}"
+                worker.kill()
         return False
+
+    async def _request_replica(self, slot: int, reason: str, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        if self._shutdown is None:
+            self._upstream.put_nowait(pb.AgentMessage(replica_request=pb.ReplicaRequest(
+                slot=slot, reason=reason)))
 
     def _forward(self, command: pb.WorkerCommand, replicas: Iterable[int] | None = None) -> None:
         for replica in self._members if replicas is None else replicas:

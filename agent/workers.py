@@ -38,6 +38,13 @@ class WorkerProcess:
     def pid(self) -> int:
         return self.process.pid
 
+    def kill_group(self) -> None:
+        """SIGKILL what is left of the worker's process group once the worker is gone."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
     def kill(self) -> None:
         """SIGKILL the worker's whole process group: a wrapper between the agent and the
         training process (`-- ./train.sh`, `uv run ...`) must not leave it behind."""

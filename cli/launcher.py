@@ -28,7 +28,7 @@ from recover.proto import pb
 TERMINAL = ("succeeded", "failed")
 SHOWN_EVENTS = ("replica-failed", "generation", "recovered", "agent-lost", "failed", "divergence",
                 "replica-joined", "spare-promoted", "state-transfer", "join-abandoned",
-                "checkpoint-written", "resumed")
+                "checkpoint-written", "checkpoint-failed", "resumed")
 
 
 class Terminated(KeyboardInterrupt):

@@ -30,6 +30,10 @@ def resumed_job(target: str) -> tuple[pb.JobConfig, pb.CheckpointMeta, list[str]
     except ckptfile.CheckpointError as exc:
         raise UsageError(f"--resume {target!r}: {exc}") from None
     meta = latest.meta
+    if meta.step >= meta.job.steps:
+        raise UsageError(f"--resume {target!r}: {latest.path} holds the state after the last "
+                         f"of job {meta.job.job_id}'s {meta.job.steps} steps: the job finished, "
+                         "there is nothing to resume")
     job = pb.JobConfig()
     job.CopyFrom(meta.job)
     job.resume.path = str(latest.path.resolve())
@@ -40,5 +44,6 @@ def resumed_job(target: str) -> tuple[pb.JobConfig, pb.CheckpointMeta, list[str]
     job.testing.ClearField("faults")
     notes = [f"passed over: {reason}" for reason in latest.skipped]
     notes.append(f"resuming job {meta.job.job_id} from {latest.path} (the state before step "
-                 f"{meta.step} of {job.steps})")
+                 f"{meta.step} of {job.steps}); the job's settings are the checkpoint's, job "
+                 "options on this command line are not used")
     return job, meta, notes

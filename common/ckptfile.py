@@ -49,14 +49,18 @@ def write(folder: Path, meta: pb.CheckpointMeta, chunks: Iterable[memoryview | b
     tmp = folder / f".{target.name}.{os.getpid()}.tmp"
     digest = hashlib.sha256()
     head = meta.SerializeToString()
-    with open(tmp, "wb") as f:
-        for chunk in (MAGIC, LENGTH.pack(len(head)), head, *chunks):
-            digest.update(chunk)
-            f.write(chunk)
-        f.write(digest.digest())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, target)
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in (MAGIC, LENGTH.pack(len(head)), head, *chunks):
+                digest.update(chunk)
+                f.write(chunk)
+            f.write(digest.digest())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk must not fill up further with torn copies
+        raise
     dir_fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(dir_fd)  # the rename itself survives a crash of the host

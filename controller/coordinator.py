@@ -97,13 +97,22 @@ class Coordinator(Membership):
         self.startup_failed_at: float | None = None
         """When a worker last failed before the job started (admission.start_decision)."""
 
-    def restore(self, persisted: PersistedJob) -> None:
-        """Take over from a previous leader: rebuild the job's state from what it persisted."""
+    def restore(self, persisted: PersistedJob,
+                resumed_from: pb.CheckpointMeta | None = None) -> None:
+        """Take over from a previous leader: rebuild the job's state from what it persisted
+        (and, for a job resumed from a checkpoint, the ledger of the steps before it)."""
         # The agents notice the old leader's silence about when we win the
         # election; give them their own timeout and then some to rejoin.
-        self.takeover = Takeover(self, persisted, self._clock() + 2 * self._agent_timeout_s)
+        ledger = list(resumed_from.ledger) if resumed_from is not None else None
+        self.takeover = Takeover(self, persisted, self._clock() + 2 * self._agent_timeout_s,
+                                 resumed_ledger=ledger)
 
     def checkpoint_written(self, replica: int, written: pb.CheckpointWritten) -> None:
+        if written.error:
+            self.events.emit("checkpoint-failed", f"the checkpoint of step {written.step} was "
+                             f"not written: {written.error}", step=written.step, replica=replica,
+                             level=logging.WARNING)
+            return
         self.last_checkpoint = written
         self.events.emit("checkpoint-written", f"{written.path}: {written.bytes} bytes written in "
                          f"{written.write_s:.2f}s in the background ({written.snapshot_s * 1000:.1f}"
@@ -172,6 +181,8 @@ class Coordinator(Membership):
         # For a new leader's summary: what the workers train is known only from `ready`.
         await self._store.put(self._prefix + "workload", self.workload.SerializeToString())
         await self.new_generation(members, decision)
+        for agent_id in sorted({self.replicas[s].agent_id for s in spares}):
+            await self._persist_agent(self.agents[agent_id])  # a new leader resumes their joins
         for spare in spares:  # hot spares: they catch up from the first step on
             self.joins.add(spare, self.replicas[spare].transfer_address)
 

@@ -14,7 +14,14 @@ import secrets
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from recover.controller.joins import Join, JoinPhase, after_failure, choose_donor, entry
+from recover.controller.joins import (
+    RETRY_DELAY_S,
+    Join,
+    JoinPhase,
+    after_failure,
+    choose_donor,
+    entry,
+)
 from recover.proto import pb
 
 if TYPE_CHECKING:
@@ -54,7 +61,7 @@ class JoinFlow:
         if choice.donor is None:
             join.phase = JoinPhase.WAITING_DONOR
             return
-        join.phase, join.donor, join.step = JoinPhase.TRANSFERRING, choice.donor, -1
+        join.phase, join.donor = JoinPhase.TRANSFERRING, choice.donor
         join.token = secrets.token_hex(16)
         join.attempts += 1
         join.started_at = c.now()
@@ -64,16 +71,16 @@ class JoinFlow:
             donor=choice.donor, joiner=join.joiner, address=self.addresses[join.joiner],
             token=join.token)))
         c.send_to(joiner_agent, pb.ControllerMessage(join=pb.Join(
-            joiner=join.joiner, donor=choice.donor, token=join.token)))
+            joiner=join.joiner, donor=choice.donor, token=join.token, attempt=join.attempts)))
         c.events.emit("join-started", f"attempt {join.attempts}: {choice.reason}",
                       step=c.step, replica=join.joiner)
 
     def progress(self, replica: int, msg: pb.JoinProgress) -> None:
         join = self.joins.get(replica)
-        if join is None or msg.donor != join.donor:
-            self.c.stale_reports += 1
+        if join is None or msg.attempt != join.attempts:
+            self.c.stale_reports += 1  # a report of an attempt that was already replaced
             return
-        if join.step < 0:
+        if join.snapshot_bytes == 0 and msg.snapshot_bytes:
             join.snapshot_bytes, join.snapshot_s = msg.snapshot_bytes, msg.snapshot_s
             self.transfers.append((msg.snapshot_bytes, msg.snapshot_s))
             rate = msg.snapshot_bytes / msg.snapshot_s / 1e6 if msg.snapshot_s > 0 else 0.0
@@ -84,26 +91,36 @@ class JoinFlow:
         if join.step >= self.c.step:
             join.phase = JoinPhase.CAUGHT_UP
 
-    def failed(self, replica: int, msg: pb.JoinFailed) -> None:
-        join = self.joins.get(replica)
-        if join is None or msg.donor != join.donor:
-            self.c.stale_reports += 1  # a report of an attempt that was already replaced
+    async def failed(self, replica: int, msg: pb.JoinFailed) -> None:
+        c = self.c
+        if replica in c.members:
+            # Admitted, but its stream broke before it had every step it needed: it cannot
+            # enter; recover as from a crash (its agent restarts it).
+            await c.worker_lost(replica, f"replica {replica} lost its donor while entering")
             return
+        join = self.joins.get(replica)
+        if join is None or msg.attempt != join.attempts:
+            c.stale_reports += 1  # a report of an attempt that was already replaced
+            return
+        join.step = max(join.step, msg.step)  # what it holds is still good
         retry = after_failure(join, msg.reason)
         if not retry.retry:
             self.forget(replica)
             self.abandoned += 1
-            self.c.events.emit("join-abandoned", retry.reason, replica=replica,
-                               level=logging.WARNING)
+            c.events.emit("join-abandoned", retry.reason, replica=replica, level=logging.WARNING)
+            c.send_to(c.replicas[replica].agent_id, pb.ControllerMessage(
+                stop_replica=pb.StopReplica(replica=replica, reason=retry.reason)))
             return
-        self.c.events.emit("join-failed", retry.reason, replica=replica, level=logging.WARNING)
+        c.events.emit("join-failed", retry.reason, replica=replica, level=logging.WARNING)
         join.failed_donors.append(join.donor)
-        self._start(join)
+        join.phase = JoinPhase.WAITING_DONOR
+        join.retry_at = c.now() + RETRY_DELAY_S
 
     def retry_waiting(self) -> None:
-        """Joins that found no donor (none was live): try again."""
+        """Joins that found no donor, or whose transfer failed a moment ago: try again."""
+        now = self.c.now()
         for join in list(self.joins.values()):
-            if join.phase is JoinPhase.WAITING_DONOR:
+            if join.phase is JoinPhase.WAITING_DONOR and join.retry_at <= now:
                 self._start(join)
 
     def entering(self, enters_at: int, *, final: bool = False, replacing: bool = False

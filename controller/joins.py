@@ -25,6 +25,9 @@ from enum import StrEnum
 
 MAX_ATTEMPTS = 5
 """Transfers tried for one joiner before its join is abandoned (an event says so)."""
+RETRY_DELAY_S = 0.5
+"""Pause before a failed transfer is tried again: the failure is often a donor that just
+died, and the controller should learn of that before it picks the next donor."""
 
 
 class JoinPhase(StrEnum):
@@ -44,7 +47,10 @@ class Join:
     attempts: int = 0
     failed_donors: list[int] = field(default_factory=list)
     step: int = -1
-    """The next step the joiner needs (it applied every step before it); -1: no snapshot yet."""
+    """The next step the joiner needs (it applied every step before it); -1: no state yet.
+    Kept across attempts: a joiner's state stays good when a transfer breaks."""
+    retry_at: float = 0.0
+    """When a join waiting for a donor is tried again."""
     started_at: float = 0.0
     """When the current attempt started (the first snapshot byte is what is timed)."""
     snapshot_bytes: int = 0
@@ -88,8 +94,11 @@ def entry(join: Join, enters_at: int, *, in_flight: int, members: int, target: i
     want another member."""
     if final:
         return Entry(False, "the job ends with this step")
-    if join.phase is JoinPhase.WAITING_DONOR or join.step < 0:
+    if join.step < 0:
         return Entry(False, f"replica {join.joiner} has no state yet")
+    if in_flight and join.phase is JoinPhase.WAITING_DONOR:
+        return Entry(False, f"replica {join.joiner} has no donor to send it step "
+                            f"{enters_at - in_flight}")
     behind = enters_at - in_flight - join.step
     if behind > 0:
         return Entry(False, f"replica {join.joiner} is at step {join.step}, {behind} steps behind")

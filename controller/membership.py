@@ -54,6 +54,10 @@ class Membership(_Base):
         # Before the agent learns its replicas: a new leader must know who hosts them.
         record = pb.AgentRecord(agent_id=agent.agent_id, host=agent.host,
                                 replica_ids=agent.replicas)
+        for r in agent.replicas:
+            info = self.replicas.get(r)
+            if info is not None and info.alive and info.transfer_address:
+                record.join_addresses[r] = info.transfer_address
         await self._store.put_many([(self._prefix + "job", self.job.SerializeToString()),
                                     (f"{self._prefix}agents/{agent.agent_id}",
                                      record.SerializeToString())])
@@ -93,7 +97,8 @@ class Membership(_Base):
             taking_over=self.takeover is not None, capacity=self._capacity())
         if agent is None or not admission.admitted:
             self._send(agent_id, pb.ControllerMessage(replica_assigned=pb.ReplicaAssigned(
-                slot=request.slot, refused=admission.reason)))
+                slot=request.slot, refused=admission.reason,
+                retryable=self.takeover is not None)))
             return
         replica = admission.replica_ids[0]
         agent.replicas.append(replica)
@@ -182,9 +187,20 @@ class Membership(_Base):
         if mismatch is not None:  # fast mode promises no bitwise equality: say it, go on
             self.events.emit("nondeterminism", mismatch, replica=replica, level=logging.WARNING)
         if self.state is JobState.RUNNING:
+            await self._persist_agent(self.agents[info.agent_id])  # a new leader resumes the join
             self.joins.add(replica, ready.transfer_address)
         else:
             await self._maybe_start()
+
+    async def worker_lost(self, replica: int, why: str) -> None:
+        """A replica that cannot go on though its process lives: stop it, recover without it."""
+        info = self.replicas.get(replica)
+        if info is None or not info.alive:
+            return
+        self.record_failure(replica, "external", None)
+        self._send(info.agent_id, pb.ControllerMessage(
+            stop_replica=pb.StopReplica(replica=replica, reason=why)))
+        await self._lose([replica], why)
 
     async def worker_exited(self, exited: pb.WorkerExited) -> None:
         info = self.replicas.get(exited.replica)

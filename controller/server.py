@@ -181,10 +181,12 @@ async def _lead(config: ControllerConfig, job: pb.JobConfig, election: LeaderEle
     coordinator.start_timeout_s = config.start_timeout_s
     coordinator.start_grace_s = config.start_grace_s
     persisted = await takeover.load(store, f"/recover/{job.job_id}/")
+    resumed_from = (ckptfile.read_meta(Path(job.resume.path), verify=False)[0]
+                    if job.resume.path else None)
     if not persisted.empty:
-        coordinator.restore(persisted)
-    elif job.resume.path:
-        coordinator.resume_from(ckptfile.read_meta(Path(job.resume.path), verify=False)[0])
+        coordinator.restore(persisted, resumed_from)
+    elif resumed_from is not None:
+        coordinator.resume_from(resumed_from)
     sessions.lead(coordinator)
     with contextlib.suppress(KeyError):
         registry.unregister(sessions.collector)  # type: ignore[arg-type]

@@ -209,7 +209,7 @@ class AgentSessions(rpc.AgentSessionServicer):
                 elif which == "join_progress":
                     coordinator.joins.progress(report.replica, report.join_progress)
                 elif which == "join_failed":
-                    coordinator.joins.failed(report.replica, report.join_failed)
+                    await coordinator.joins.failed(report.replica, report.join_failed)
                 elif which == "checkpoint_written":
                     coordinator.checkpoint_written(report.replica, report.checkpoint_written)
 

@@ -101,24 +101,39 @@ def resume_plan(view: pb.GenerationView, committed: int, survivors: list[int],
 class Takeover:
     """Restores a coordinator from the store and runs the rejoin of the agents."""
 
-    def __init__(self, coordinator: Coordinator, persisted: PersistedJob, deadline: float) -> None:
+    def __init__(self, coordinator: Coordinator, persisted: PersistedJob, deadline: float,
+                 resumed_ledger: list[pb.StepRecord] | None = None) -> None:
+        """`resumed_ledger`: for a job resumed from a checkpoint, the steps before it
+        (the store holds only the steps this job committed itself)."""
         self.c = coordinator
         self.persisted = persisted
         self.deadline = deadline
         c, view = coordinator, persisted.view
         now = c.now()
         members = set(view.members) if view is not None else set()
+        self.joiners: dict[int, str] = {}
+        """Replicas that were joining (or spares) when the old leader went: their joins
+        start over once their agents rejoin."""
         for record in persisted.agents:
             ids = list(record.replica_ids)
             c.agents[record.agent_id] = AgentInfo(record.agent_id, record.host, ids, now, alive=False)
             for r in ids:
+                joining = view is not None and r not in members and r in record.join_addresses
+                if joining:
+                    self.joiners[r] = record.join_addresses[r]
                 c.replicas[r] = ReplicaInfo(r, record.agent_id, ready=view is not None,
-                                            alive=view is None or r in members)
+                                            alive=view is None or r in members or joining,
+                                            transfer_address=record.join_addresses.get(r, ""))
         self.expected = {a.agent_id for a in persisted.agents
                          if view is None or members & set(a.replica_ids)}
+        self.expected |= {c.replicas[r].agent_id for r in self.joiners}
+        """Agents whose rejoin the takeover waits for: those hosting members or joiners."""
         self.rejoined: set[str] = set()
-        c.steps = list(persisted.steps)
-        c.step = len(c.steps)
+        # A resumed job's first commit rewrites the checkpoint's last record (digests ride
+        # along with the next write): the store's copy is the newer one.
+        by_step = {r.step: r for r in [*(resumed_ledger or []), *persisted.steps]}
+        c.steps = [by_step[s] for s in sorted(by_step)]
+        c.step = c.steps[-1].step + 1 if c.steps else 0
         if persisted.workload is not None:
             c.workload.CopyFrom(persisted.workload)
         c.recovery.failures = list(persisted.failures)
@@ -156,6 +171,8 @@ class Takeover:
             if r not in replicas and c.replicas[r].alive:
                 c.replicas[r].alive = False  # its worker died while no leader listened
                 c.record_failure(r, "external", None, phase="takeover")
+                if self.persisted.view is None:  # the start waits a grace for its replacement
+                    c.startup_failed_at = c.now()
         self.rejoined.add(agent_id)
         c.events.emit("agent-rejoined", f"agent {agent_id} on {host}: replicas {replicas} kept "
                       "running", step=c.step, generation=c.generation)
@@ -180,6 +197,8 @@ class Takeover:
                     c.replicas[r].alive = False
                     lost.append(r)
                     c.record_failure(r, "agent-lost", None, phase="takeover")
+        if missing and view is None:
+            c.startup_failed_at = c.now()
         if missing:
             c.events.emit("agent-lost", f"agents {missing} did not rejoin the new leader",
                           level=logging.WARNING)
@@ -187,9 +206,11 @@ class Takeover:
             return  # not started: the usual start (every replica ready) takes it from here
         if c.steps:
             last = c.steps[-1]
-            c.broadcast(pb.ControllerMessage(commit=pb.Commit(
-                step=last.step, generation=last.generation, final=c.step >= c.job.steps,
-                microbatches=last.microbatches, tokens=last.tokens)))
+            commit = pb.Commit(step=last.step, generation=last.generation,
+                               final=c.step >= c.job.steps, microbatches=last.microbatches,
+                               tokens=last.tokens, record=last)
+            commit.record.ClearField("sample_ids")  # as at the first send: workers keep the digest
+            c.broadcast(pb.ControllerMessage(commit=commit))
         survivors = [m for m in view.members if c.replicas[m].alive]
         if not survivors:
             await c.fail(f"no replica rejoined the new leader (expected agents {sorted(self.expected)})")
@@ -198,9 +219,13 @@ class Takeover:
         if c.step >= c.job.steps:
             await c.maybe_finish()
             return
+        lost = [r for r in lost if r in view.members]  # a lost joiner costs the step nothing
         if lost:
             c.recoveries += 1
         decision = resume_plan(view, c.step, survivors, c.job.global_microbatches,
                                drop=c.job.policy == "drop")
         c.plan = dict(decision.assignment)
         await c.new_generation(survivors, decision)
+        for r, address in sorted(self.joiners.items()):
+            if c.replicas[r].alive:
+                c.joins.add(r, address)  # anew: this leader knows nothing of the old attempt

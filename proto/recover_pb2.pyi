@@ -98,6 +98,12 @@ class ResumePoint(_message.Message):
     step: int
     def __init__(self, path: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
+class Ledger(_message.Message):
+    __slots__ = ("records",)
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    records: _containers.RepeatedCompositeFieldContainer[StepRecord]
+    def __init__(self, records: _Optional[_Iterable[_Union[StepRecord, _Mapping]]] = ...) -> None: ...
+
 class CheckpointMeta(_message.Message):
     __slots__ = ("job", "step", "state", "ledger", "created_at", "writer")
     JOB_FIELD_NUMBER: _ClassVar[int]
@@ -213,34 +219,50 @@ class Donate(_message.Message):
     def __init__(self, donor: _Optional[int] = ..., joiner: _Optional[int] = ..., address: _Optional[str] = ..., token: _Optional[str] = ...) -> None: ...
 
 class Join(_message.Message):
-    __slots__ = ("joiner", "donor", "token")
+    __slots__ = ("joiner", "donor", "token", "attempt")
     JOINER_FIELD_NUMBER: _ClassVar[int]
     DONOR_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     joiner: int
     donor: int
     token: str
-    def __init__(self, joiner: _Optional[int] = ..., donor: _Optional[int] = ..., token: _Optional[str] = ...) -> None: ...
+    attempt: int
+    def __init__(self, joiner: _Optional[int] = ..., donor: _Optional[int] = ..., token: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class JoinProgress(_message.Message):
-    __slots__ = ("step", "snapshot_bytes", "snapshot_s", "donor")
+    __slots__ = ("step", "snapshot_bytes", "snapshot_s", "donor", "attempt")
     STEP_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_S_FIELD_NUMBER: _ClassVar[int]
     DONOR_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     step: int
     snapshot_bytes: int
     snapshot_s: float
     donor: int
-    def __init__(self, step: _Optional[int] = ..., snapshot_bytes: _Optional[int] = ..., snapshot_s: _Optional[float] = ..., donor: _Optional[int] = ...) -> None: ...
+    attempt: int
+    def __init__(self, step: _Optional[int] = ..., snapshot_bytes: _Optional[int] = ..., snapshot_s: _Optional[float] = ..., donor: _Optional[int] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class JoinFailed(_message.Message):
-    __slots__ = ("donor", "reason")
+    __slots__ = ("donor", "reason", "attempt", "step")
     DONOR_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     donor: int
     reason: str
-    def __init__(self, donor: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    attempt: int
+    step: int
+    def __init__(self, donor: _Optional[int] = ..., reason: _Optional[str] = ..., attempt: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
+class StopReplica(_message.Message):
+    __slots__ = ("replica", "reason")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    replica: int
+    reason: str
+    def __init__(self, replica: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class TensorMeta(_message.Message):
     __slots__ = ("dtype", "shape", "nbytes")
@@ -411,18 +433,20 @@ class WorkerReport(_message.Message):
     def __init__(self, replica: _Optional[int] = ..., ready: _Optional[_Union[Ready, _Mapping]] = ..., resumed: _Optional[_Union[Resumed, _Mapping]] = ..., reduced: _Optional[_Union[Reduced, _Mapping]] = ..., applied: _Optional[_Union[Applied, _Mapping]] = ..., join_progress: _Optional[_Union[JoinProgress, _Mapping]] = ..., join_failed: _Optional[_Union[JoinFailed, _Mapping]] = ..., checkpoint_written: _Optional[_Union[CheckpointWritten, _Mapping]] = ...) -> None: ...
 
 class CheckpointWritten(_message.Message):
-    __slots__ = ("step", "path", "bytes", "write_s", "snapshot_s")
+    __slots__ = ("step", "path", "bytes", "write_s", "snapshot_s", "error")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     WRITE_S_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_S_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     step: int
     path: str
     bytes: int
     write_s: float
     snapshot_s: float
-    def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., bytes: _Optional[int] = ..., write_s: _Optional[float] = ..., snapshot_s: _Optional[float] = ...) -> None: ...
+    error: str
+    def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., bytes: _Optional[int] = ..., write_s: _Optional[float] = ..., snapshot_s: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
 
 class RegisterAgent(_message.Message):
     __slots__ = ("agent_id", "host", "slots", "resume", "replica_ids", "term", "generation")
@@ -519,14 +543,16 @@ class AgentMessage(_message.Message):
     def __init__(self, register: _Optional[_Union[RegisterAgent, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., worker_exited: _Optional[_Union[WorkerExited, _Mapping]] = ..., report: _Optional[_Union[WorkerReport, _Mapping]] = ..., replica_request: _Optional[_Union[ReplicaRequest, _Mapping]] = ...) -> None: ...
 
 class ReplicaAssigned(_message.Message):
-    __slots__ = ("slot", "replica", "refused")
+    __slots__ = ("slot", "replica", "refused", "retryable")
     SLOT_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
+    RETRYABLE_FIELD_NUMBER: _ClassVar[int]
     slot: int
     replica: int
     refused: str
-    def __init__(self, slot: _Optional[int] = ..., replica: _Optional[int] = ..., refused: _Optional[str] = ...) -> None: ...
+    retryable: bool
+    def __init__(self, slot: _Optional[int] = ..., replica: _Optional[int] = ..., refused: _Optional[str] = ..., retryable: _Optional[bool] = ...) -> None: ...
 
 class Registered(_message.Message):
     __slots__ = ("replica_ids", "job")
@@ -537,7 +563,7 @@ class Registered(_message.Message):
     def __init__(self, replica_ids: _Optional[_Iterable[int]] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ...) -> None: ...
 
 class ControllerMessage(_message.Message):
-    __slots__ = ("registered", "generation", "commit", "shutdown", "heartbeat", "replica_assigned", "donate", "join", "term")
+    __slots__ = ("registered", "generation", "commit", "shutdown", "heartbeat", "replica_assigned", "donate", "join", "stop_replica", "term")
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
@@ -546,6 +572,7 @@ class ControllerMessage(_message.Message):
     REPLICA_ASSIGNED_FIELD_NUMBER: _ClassVar[int]
     DONATE_FIELD_NUMBER: _ClassVar[int]
     JOIN_FIELD_NUMBER: _ClassVar[int]
+    STOP_REPLICA_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
     registered: Registered
     generation: GenerationView
@@ -555,8 +582,9 @@ class ControllerMessage(_message.Message):
     replica_assigned: ReplicaAssigned
     donate: Donate
     join: Join
+    stop_replica: StopReplica
     term: int
-    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., generation: _Optional[_Union[GenerationView, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., replica_assigned: _Optional[_Union[ReplicaAssigned, _Mapping]] = ..., donate: _Optional[_Union[Donate, _Mapping]] = ..., join: _Optional[_Union[Join, _Mapping]] = ..., term: _Optional[int] = ...) -> None: ...
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., generation: _Optional[_Union[GenerationView, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., replica_assigned: _Optional[_Union[ReplicaAssigned, _Mapping]] = ..., donate: _Optional[_Union[Donate, _Mapping]] = ..., join: _Optional[_Union[Join, _Mapping]] = ..., stop_replica: _Optional[_Union[StopReplica, _Mapping]] = ..., term: _Optional[int] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("replica", "job")
@@ -599,14 +627,23 @@ class LeaderRecord(_message.Message):
     def __init__(self, term: _Optional[int] = ..., address: _Optional[str] = ..., controller_id: _Optional[str] = ..., elected_at: _Optional[float] = ...) -> None: ...
 
 class AgentRecord(_message.Message):
-    __slots__ = ("agent_id", "host", "replica_ids")
+    __slots__ = ("agent_id", "host", "replica_ids", "join_addresses")
+    class JoinAddressesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: str
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     REPLICA_IDS_FIELD_NUMBER: _ClassVar[int]
+    JOIN_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     host: str
     replica_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, agent_id: _Optional[str] = ..., host: _Optional[str] = ..., replica_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    join_addresses: _containers.ScalarMap[int, str]
+    def __init__(self, agent_id: _Optional[str] = ..., host: _Optional[str] = ..., replica_ids: _Optional[_Iterable[int]] = ..., join_addresses: _Optional[_Mapping[int, str]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

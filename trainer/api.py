@@ -38,13 +38,11 @@ from typing import Any
 import torch
 
 from recover.common import logs
-from recover.common.ckptfile import CheckpointError
 from recover.common.lifetime import die_with_parent
 from recover.common.progress import ProgressBeacon
 from recover.proto import pb
 from recover.trainer.channel import AgentChannel, ChannelClosed
 from recover.trainer.checkpoint import CheckpointWriter
-from recover.trainer.checkpoint import load as load_checkpoint
 from recover.trainer.determinism import check_determinism as run_determinism_check
 from recover.trainer.digest import parameter_digest
 from recover.trainer.errors import WorkloadError, contract_error
@@ -52,6 +50,7 @@ from recover.trainer.executor import StepExecutor
 from recover.trainer.gradients import GradientBuckets, GradientLayoutError
 from recover.trainer.reduction import make_accumulator
 from recover.trainer.sources import as_source
+from recover.trainer.statewire import StateEncodingError, encode
 from recover.trainer.transfer import Listener
 from recover.trainer.workload import ForwardBackwardFn, LossFn, Stateful, StepInfo, Workload
 
@@ -215,10 +214,11 @@ def train(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
         executor = StepExecutor(proto, job.replica, channel, workload, grads, accumulator,
                                 first_step=first_step, beacon=beacon, listener=listener)
         if proto.resume.path:
-            _resume(executor, proto.resume)
+            executor.resume = proto.resume  # loaded at the first generation, if no donor's first
+        _check_state_travels(executor)
         wanted = proto.check_determinism if check_determinism is None else check_determinism
-        if wanted:
-            checked = run_determinism_check(workload, grads, step=first_step)
+        if wanted:  # on the model as built: every replica, joiners too, checks the same thing
+            checked = run_determinism_check(workload, grads, step=0)
             info.determinism_sha256 = checked.gradient_sha256
             log.info("determinism check passed (gradient %s)", checked.gradient_sha256[:12],
                      extra={"replica": job.replica})
@@ -244,15 +244,14 @@ def train(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     return TrainResult(shutdown.success, shutdown.reason, executor.steps_applied)
 
 
-def _resume(executor: StepExecutor, resume: pb.ResumePoint) -> None:
-    """Load the checkpoint the job resumes from (its checksum verified again here)."""
+def _check_state_travels(executor: StepExecutor) -> None:
+    """A state that cannot be sent would crash every donor and checkpoint writer later:
+    say so now, naming the piece (e.g. an extra_state value of a type ReCoVer cannot send)."""
     try:
-        meta, state = load_checkpoint(resume.path)
-    except (CheckpointError, OSError) as exc:
-        raise contract_error(f"cannot resume from {resume.path}: {exc}", where="resume") from None
-    executor.load_training_state(state, meta.step)
-    log.info("resumed from %s at step %d", resume.path, meta.step,
-             extra={"replica": executor.replica})
+        encode(executor.training_state(), check_only=True)
+    except StateEncodingError as exc:
+        raise contract_error(f"the training state cannot be transferred or checkpointed: {exc}",
+                             where="extra_state") from None
 
 
 def _report_and_exit(channel: AgentChannel, exc: WorkloadError) -> None:

@@ -81,6 +81,7 @@ class CheckpointWriter:
             removed = ckptfile.prune(self.folder, self.config.keep or ckptfile.DEFAULT_KEEP)
         except OSError as exc:
             log.error("checkpoint of step %d failed: %s", meta.step, exc)
+            self._report(pb.CheckpointWritten(step=meta.step, error=str(exc)))
             return
         write_s = time.perf_counter() - started
         log.info("checkpoint of step %d written to %s in %.2fs (%d old ones pruned)", meta.step,

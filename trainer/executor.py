@@ -20,14 +20,18 @@ import threading
 import time
 from typing import Any
 
+import torch
+
+from recover.common.ckptfile import CheckpointError
 from recover.common.progress import ProgressBeacon
 from recover.proto import pb
 from recover.trainer.channel import AgentChannel
 from recover.trainer.checkpoint import CheckpointWriter
+from recover.trainer.checkpoint import load as load_checkpoint
 from recover.trainer.collectives import CollectiveAborted, GenerationGroup, GroupSpec
 from recover.trainer.commits import CommitAction, judge_commit
 from recover.trainer.digest import parameter_digest
-from recover.trainer.errors import call_user
+from recover.trainer.errors import call_user, contract_error
 from recover.trainer.faults import FaultInjector
 from recover.trainer.gradients import GradientBuckets
 from recover.trainer.joining import Donation
@@ -67,6 +71,13 @@ class StepExecutor(JoinSteps):
         self.checkpoints: CheckpointWriter | None = None
         self._admission: pb.GenerationView | None = None
         """A joiner's first generation, held until it has caught up to the view's step."""
+        self._pending_join: pb.Join | None = None
+        self.catching_up = False
+        """Applying a donor's stream: a generation ahead of this replica is held, not fatal."""
+        self.state_loaded = False
+        """The state came from a donor or a checkpoint (else: the model as the user built it)."""
+        self.resume: pb.ResumePoint | None = None
+        """A checkpoint to load before the first generation, unless a donor's state came first."""
         # Guards the hand-over between the receiver thread (which learns of new
         # generations first) and the main thread (which owns the group).
         self._group_lock = threading.Lock()
@@ -147,8 +158,14 @@ class StepExecutor(JoinSteps):
             if donation.joiner in view.members:  # it enters at this view's step
                 donation.finish_before(view.plan.step)
         if self.generation == 0 and view.plan.step > self.state.step:
+            if not self.catching_up:
+                raise RuntimeError(f"generation {view.generation} admits this replica at step "
+                                   f"{view.plan.step}, but it holds the state before step "
+                                   f"{self.state.step} and no donor streams to it")
             self._admission = view  # a joiner still catching up: enter once it has
             return
+        if self.generation == 0 and self.resume is not None and not self.state_loaded:
+            self.load_checkpoint(self.resume)  # a replica that starts with a resumed job
         recovering = self.generation > 0
         self.generation, self.members = view.generation, list(view.members)
         plan = view.plan
@@ -295,24 +312,47 @@ class StepExecutor(JoinSteps):
             self._feed_joiners(step, means)
         self.state = StepState(step=step.step + 1)
         if first and self.checkpoints is not None:
-            self.checkpoints.maybe_write(step.step + 1, self.training_state, self.ledger)
+            self.checkpoints.maybe_write(step.step + 1, lambda: self.training_state(False),
+                                         self.ledger)
         if self.workload.on_step_committed is not None:
             call_user("on_step_committed", self.workload.on_step_committed, StepInfo(
                 step=step.step, loss=step.loss, lr=lr, grad_norm=norm,
                 microbatches=step.microbatches, tokens=step.tokens, generation=step.generation,
                 replica=self.replica, is_first_replica=first), step=step.step)
 
-    def training_state(self) -> dict[str, Any]:
+    def training_state(self, with_ledger: bool = True) -> dict[str, Any]:
         """Everything a joiner or a restore needs: the user's state, the exact-reduction
-        scales and the step ledger (references to live tensors: encode() copies)."""
-        return {"workload": self.workload.state_dict(), "reduction": self.accumulator.state_dict(),
-                "ledger": [r.SerializeToString() for r in self.ledger]}
+        scales and the step ledger (references to live tensors: encode() copies). A
+        checkpoint keeps the ledger in its header instead (the controller reads it there)."""
+        state = {"workload": self.workload.state_dict(),
+                 "reduction": self.accumulator.state_dict()}
+        if with_ledger:
+            # Bytes in a tensor, not in the state's tree: the ledger grows with the job, and
+            # a frame's message is bounded while its tensors are not.
+            ledger = bytearray(pb.Ledger(records=self.ledger).SerializeToString())
+            state["ledger"] = (torch.frombuffer(ledger, dtype=torch.uint8) if ledger
+                               else torch.empty(0, dtype=torch.uint8))
+        return state
 
-    def load_training_state(self, state: dict[str, Any], step: int) -> None:
+    def load_training_state(self, state: dict[str, Any], step: int,
+                            ledger: list[pb.StepRecord] | None = None) -> None:
         self.workload.load_state_dict(state["workload"])
         self.accumulator.load_state_dict(state["reduction"])
-        self.ledger = [pb.StepRecord.FromString(r) for r in state.get("ledger", [])]
+        if ledger is None:
+            ledger = list(pb.Ledger.FromString(bytes(state["ledger"].numpy())).records)
+        self.ledger = ledger
         self.state = StepState(step=step)
+        self.state_loaded = True
+
+    def load_checkpoint(self, resume: pb.ResumePoint) -> None:
+        """The state a resumed job starts from (its checksum verified again here)."""
+        try:
+            meta, state = load_checkpoint(resume.path)
+        except (CheckpointError, OSError) as exc:
+            raise contract_error(f"cannot resume from {resume.path}: {exc}",
+                                 where="resume") from None
+        self.load_training_state(state, meta.step, list(meta.ledger))
+        log.info("resumed from %s at step %d", resume.path, meta.step, extra=self._ctx())
 
     def _ctx(self) -> dict[str, int]:
         return {"step": self.state.step, "generation": self.generation, "replica": self.replica}

@@ -34,6 +34,9 @@ CONNECT_TIMEOUT_S = 30.0
 MAX_BACKLOG_STEPS = 256
 """Committed steps a donor holds for a joiner that reads slower than it trains; beyond that
 the join is given up (the controller starts another one from a fresh snapshot)."""
+MAX_BACKLOG_BYTES = 1 << 30
+"""The same bound in gradient bytes (held on the donor's device), for large models; two
+steps are always allowed, or a large model could never be joined."""
 
 
 @dataclass
@@ -59,7 +62,9 @@ class Donation:
         self._next = step
         self._queue: queue.SimpleQueue[Committed | None] = queue.SimpleQueue()
         self._entry: int | None = None
+        self._backlog_lock = threading.Lock()
         self._backlog = 0
+        self._backlog_bytes = 0
         self.failed = ""
         self.done = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True,
@@ -69,9 +74,14 @@ class Donation:
     def offer(self, step: pb.CatchUpStep, grads: list[torch.Tensor]) -> None:
         if self.done.is_set():
             return
-        self._backlog += 1
-        if self._backlog > MAX_BACKLOG_STEPS:
-            self.failed = f"the joiner fell {MAX_BACKLOG_STEPS} steps behind"
+        size = sum(g.numel() * g.element_size() for g in grads)
+        with self._backlog_lock:  # the sending thread takes off what this adds
+            self._backlog += 1
+            self._backlog_bytes += size
+            steps, held = self._backlog, self._backlog_bytes
+        if steps > MAX_BACKLOG_STEPS or (steps > 2 and held > MAX_BACKLOG_BYTES):
+            self.failed = (f"the joiner fell {steps} steps ({held / 1e6:.0f} MB of gradients) "
+                           "behind")
             self._queue.put(None)
             return
         self._queue.put(Committed(step, grads))
@@ -103,7 +113,9 @@ class Donation:
                     break
                 if item is None:
                     continue
-                self._backlog -= 1
+                with self._backlog_lock:
+                    self._backlog -= 1
+                    self._backlog_bytes -= sum(g.numel() * g.element_size() for g in item.grads)
                 stream.send(FrameKind.STEP, item.step, item.grads)
                 self._next = item.step.step + 1
             stream.send(FrameKind.END, pb.TransferEnd(reason=self.failed))
@@ -120,16 +132,21 @@ class Donation:
 class Catchup:
     """The joiner's side of one join: the snapshot, then the donor's committed steps."""
 
-    def __init__(self, listener: Listener, command: pb.Join) -> None:
+    def __init__(self, listener: Listener, command: pb.Join,
+                 stop: Callable[[], bool] | None = None) -> None:
         self.command = command
         started = time.monotonic()
-        self._stream, _ = listener.accept(command.token, CONNECT_TIMEOUT_S)
-        self._stream.settimeout(CONNECT_TIMEOUT_S)
-        kind, manifest, tensors = self._stream.receive()
-        if kind is not FrameKind.SNAPSHOT or not isinstance(manifest, pb.StateManifest):
-            raise TransferError(f"expected a snapshot, got a {kind.name} frame")
+        self._stream, _ = listener.accept(command.token, CONNECT_TIMEOUT_S, stop)
+        try:
+            self._stream.settimeout(CONNECT_TIMEOUT_S)
+            kind, manifest, tensors = self._stream.receive()
+            if kind is not FrameKind.SNAPSHOT or not isinstance(manifest, pb.StateManifest):
+                raise TransferError(f"expected a snapshot, got a {kind.name} frame")
+            self.state: Any = decode(manifest.root, tensors)
+        except TransferError:
+            self._stream.close()
+            raise
         self.step = manifest.step
-        self.state: Any = decode(manifest.root, tensors)
         self.snapshot_bytes = self._stream.received_bytes
         self.snapshot_s = time.monotonic() - started
 

@@ -57,11 +57,13 @@ class JoinSteps(_Base):
         generation that admits this replica at the step where the donor's stream ends."""
         if self.generation > 0 or self.listener is None:
             return  # a member already (a stale command)
+        self._pending_join = None
         try:
-            catchup = Catchup(self.listener, command)
+            catchup = Catchup(self.listener, command, stop=self._stop_waiting)
         except TransferError as exc:
-            self._join_failed(command, str(exc))
+            self._join_ended(command, str(exc))
             return
+        self.catching_up = True
         try:
             self.load_training_state(catchup.state, catchup.step)
             if self.faults.armed(catchup.step, "join"):
@@ -70,37 +72,61 @@ class JoinSteps(_Base):
             while (committed := catchup.next()) is not None:
                 self._apply(committed.grads, committed.step, None)
                 self._report_join(command, catchup)
-                while (next_command := self.channel.poll()) is not None:
-                    self._handle(next_command)  # a shutdown ends it; an admission is held
+                self._poll_while_joining()
+                if self._pending_join is not None:
+                    raise TransferError("the controller started another attempt")
         except TransferError as exc:
-            admission = self._admission
-            if admission is not None and admission.plan.step != self.state.step:
-                # Admitted, but it can no longer catch up: die, be recovered like a crash.
-                raise RuntimeError(f"lost the donor after being admitted: {exc}") from None
-            if admission is None:
-                self._join_failed(command, str(exc))
-                return
-            # Admitted with every step it needs (a spare replacing lost members): enter.
+            self.catching_up = False
+            self._join_ended(command, str(exc))
+            return
         finally:
+            self.catching_up = False
             catchup.close()
         # The donor ends its stream once it sees this replica admitted: the admission is
         # here already, or on its way through the agent.
-        while self.generation == 0 and self._admission is None:
+        while self.generation == 0 and self._admission is None and self._pending_join is None:
             next_command = self.channel.next_command(ORPHAN_WAIT_S)
             if next_command is None:
                 raise RuntimeError(f"the donor's stream ended but no admission came within "
                                    f"{ORPHAN_WAIT_S:.0f}s")
             self._handle(next_command)
-        view, self._admission = self._admission, None
-        if view is not None:
+        self._join_ended(command, "")
+
+    def _stop_waiting(self) -> bool:
+        """Asked while waiting for a donor: commands may make the wait moot."""
+        self._poll_while_joining()
+        admitted = self._admission is not None and self._admission.plan.step == self.state.step
+        return admitted or self._pending_join is not None
+
+    def _poll_while_joining(self) -> None:
+        while (next_command := self.channel.poll()) is not None:
+            if next_command.WhichOneof("kind") == "join":
+                self._pending_join = next_command.join  # a new attempt replaces this one
+            else:
+                self._handle(next_command)  # a shutdown ends it; an admission is held
+
+    def _join_ended(self, command: pb.Join, failure: str) -> None:
+        """After a join attempt: enter if admitted with every step it needs (a spare taking
+        lost members' place), start a newer attempt, or say why it failed."""
+        view = self._admission
+        if view is not None and view.plan.step == self.state.step:
+            self._admission = None
             self._enter_generation(view)
+            return
+        if view is not None:  # admitted, but it can no longer catch up: be recovered
+            raise RuntimeError(f"admitted at step {view.plan.step} while at step "
+                               f"{self.state.step}, with no donor left: {failure}")
+        if failure:
+            log.warning("join failed: %s", failure, extra=self._ctx())
+        if failure and self._pending_join is None:  # else the controller moved on already
+            self.channel.send(pb.WorkerReport(join_failed=pb.JoinFailed(
+                donor=command.donor, reason=failure, attempt=command.attempt,
+                step=self.state.step if self.state_loaded else -1)))
+        pending, self._pending_join = self._pending_join, None
+        if pending is not None:
+            self._join(pending)
 
     def _report_join(self, command: pb.Join, catchup: Catchup) -> None:
         self.channel.send(pb.WorkerReport(join_progress=pb.JoinProgress(
             step=self.state.step, snapshot_bytes=catchup.snapshot_bytes,
-            snapshot_s=catchup.snapshot_s, donor=command.donor)))
-
-    def _join_failed(self, command: pb.Join, reason: str) -> None:
-        log.warning("join failed: %s", reason, extra=self._ctx())
-        self.channel.send(pb.WorkerReport(join_failed=pb.JoinFailed(donor=command.donor,
-                                                                   reason=reason)))
+            snapshot_s=catchup.snapshot_s, donor=command.donor, attempt=command.attempt)))

@@ -44,9 +44,10 @@ class EncodedState:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
 
-def encode(state: Any, *, copy: bool = True) -> EncodedState:
+def encode(state: Any, *, copy: bool = True, check_only: bool = False) -> EncodedState:
     """Pull the tensors out of `state` (contiguous CPU copies when `copy`: a snapshot that
-    training may run past) and describe the rest as a tree."""
+    training may run past) and describe the rest as a tree. `check_only`: just find what
+    cannot be sent (tensors stay where they are)."""
     tensors: list[torch.Tensor] = []
 
     def node(value: Any, path: str) -> pb.StateNode:
@@ -54,7 +55,8 @@ def encode(state: Any, *, copy: bool = True) -> EncodedState:
             t = value.detach()
             if t.dtype not in _DTYPES.values():
                 raise StateEncodingError(f"{path}: tensors of dtype {t.dtype} cannot be sent")
-            t = t.to("cpu", copy=copy).contiguous() if copy else t.to("cpu").contiguous()
+            if not check_only:
+                t = t.to("cpu", copy=copy).contiguous() if copy else t.to("cpu").contiguous()
             tensors.append(t)
             return pb.StateNode(tensor=len(tensors) - 1)
         if value is None:

@@ -20,7 +20,7 @@ import hmac
 import socket
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import IntEnum
 
 import torch
@@ -34,6 +34,11 @@ MAGIC = b"RCVR"
 HEADER = struct.Struct("<4sBQQ")  # magic, frame kind, message bytes, tensor bytes
 MAX_MESSAGE_BYTES = 64 << 20
 """Largest frame message accepted: a state manifest is kilobytes; more is a broken peer."""
+HELLO_MAX_BYTES = 4096
+HELLO_TIMEOUT_S = 2.0
+"""A connection must introduce itself this fast and this briefly, or it is dropped."""
+POLL_S = 0.25
+"""How often a waiting joiner looks up from its listening socket."""
 
 
 class FrameKind(IntEnum):
@@ -83,12 +88,15 @@ class Stream:
             raise TransferError(f"sending a {kind.name} frame failed: {exc}") from None
         self.sent_bytes += HEADER.size + len(payload) + total
 
-    def receive(self) -> tuple[FrameKind, Message, list[torch.Tensor]]:
+    def receive(self, max_message: int = MAX_MESSAGE_BYTES,
+                max_tensor_bytes: int | None = None) -> tuple[FrameKind, Message, list[torch.Tensor]]:
         magic, kind_value, size, total = HEADER.unpack(self._read_exactly(HEADER.size))
         if magic != MAGIC or kind_value not in FrameKind._value2member_map_:
             raise TransferError("not a ReCoVer transfer frame")
-        if size > MAX_MESSAGE_BYTES:
+        if size > max_message:
             raise TransferError(f"a frame message of {size} bytes is too large")
+        if max_tensor_bytes is not None and total > max_tensor_bytes:
+            raise TransferError(f"a frame announcing {total} tensor bytes is too large")
         kind = FrameKind(kind_value)
         message = MESSAGES[kind]()
         try:
@@ -96,13 +104,16 @@ class Stream:
         except DecodeError:
             raise TransferError(f"a {kind.name} frame's message does not parse") from None
         metas = getattr(message, "tensors", ())
-        try:
-            tensors = list(empty_tensors(metas))
-        except ValueError as exc:
-            raise TransferError(str(exc)) from None
+        # Checked before anything is allocated: a hostile or broken peer must not make this
+        # process allocate what its frame does not carry.
         if sum(m.nbytes for m in metas) != total:
             raise TransferError(f"a {kind.name} frame announces {total} tensor bytes, its "
                                 "message describes another amount")
+        try:
+            tensors = list(empty_tensors(metas))
+        except (ValueError, RuntimeError) as exc:
+            raise TransferError(f"a {kind.name} frame describes impossible tensors: {exc}"
+                                ) from None
         for t in tensors:
             self._read_into(as_bytes(t))
         self.received_bytes += HEADER.size + size + total
@@ -140,20 +151,25 @@ class Listener:
         self._sock = socket.create_server((host, 0), backlog=4)
         self.address = f"{host}:{self._sock.getsockname()[1]}"
 
-    def accept(self, token: str, timeout_s: float) -> tuple[Stream, pb.TransferHello]:
-        """The first connection that presents `token`; others are dropped unread."""
+    def accept(self, token: str, timeout_s: float,
+               stop: Callable[[], bool] | None = None) -> tuple[Stream, pb.TransferHello]:
+        """The first connection that presents `token`; others are dropped after a short look
+        (a stranger gets HELLO_TIMEOUT_S and a few bytes, no more). `stop` is asked between
+        waits: the joiner may no longer need a donor."""
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
-            self._sock.settimeout(left)
+            if stop is not None and stop():
+                raise TransferError("no longer waiting for a donor")
+            self._sock.settimeout(min(left, POLL_S))
             try:
                 conn, _ = self._sock.accept()
             except TimeoutError:
-                break
+                continue
             stream = Stream(conn)
-            stream.settimeout(max(deadline - time.monotonic(), 1.0))
+            stream.settimeout(HELLO_TIMEOUT_S)
             try:
-                kind, hello, _ = stream.receive()
-            except TransferError:
+                kind, hello, _ = stream.receive(max_message=HELLO_MAX_BYTES, max_tensor_bytes=0)
+            except (TransferError, OSError):
                 stream.close()
                 continue
             if kind is FrameKind.HELLO and isinstance(hello, pb.TransferHello) \

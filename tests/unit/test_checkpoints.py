@@ -126,3 +126,35 @@ def test_a_slow_writer_makes_the_next_checkpoint_skip(tmp_path: Path, monkeypatc
     release.append(True)
     writer.close()
     assert [r.step for r in reports] == [1]
+
+
+def test_a_failed_write_leaves_no_temporary_file_and_is_reported(tmp_path: Path) -> None:
+    def chunks():
+        yield b"x" * 100
+        raise OSError(28, "No space left on device")
+
+    meta = pb.CheckpointMeta(job=pb.JobConfig(job_id="j", steps=50), step=3)
+    with pytest.raises(OSError, match="No space"):
+        ckptfile.write(tmp_path, meta, chunks())
+    assert not list(tmp_path.iterdir())
+
+    reports: list[pb.CheckpointWritten] = []
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("a file where the folder should be")
+    writer = CheckpointWriter(pb.CheckpointConfig(dir=str(blocked), every_steps=1),
+                              pb.JobConfig(job_id="j", steps=50), 0, reports.append, 0)
+    writer.maybe_write(1, lambda: {"w": torch.ones(2)}, [])
+    writer.close()
+    assert len(reports) == 1 and reports[0].step == 1 and reports[0].error
+
+
+def test_resuming_a_finished_job_is_refused_with_a_reason(tmp_path: Path) -> None:
+    from recover.cli.jobargs import UsageError
+    from recover.cli.resume import resumed_job
+
+    write(tmp_path, 50)
+    with pytest.raises(UsageError, match="the job finished, there is nothing to resume"):
+        resumed_job(str(tmp_path))
+    write(tmp_path / "part", 20)
+    job, meta, notes = resumed_job(str(tmp_path / "part"))
+    assert meta.step == 20 and job.job_id == "j-from-20" and "not used" in notes[-1]

@@ -48,7 +48,7 @@ async def test_a_restarted_worker_gets_a_fresh_id_joins_and_enters_at_a_commit()
     assert h.coord.joins.joins[3].phase == "transferring"
     # The joiner loaded a snapshot of step 1 and applied nothing since: step 1 is in flight.
     h.coord.joins.progress(3, pb.JoinProgress(step=1, snapshot_bytes=4096, snapshot_s=0.01,
-                                              donor=join.donor))
+                                              donor=join.donor, attempt=join.attempt))
     assert h.events("state-transfer") and "4096 bytes" in h.events("state-transfer")[0].message
     generation = h.coord.generation
     await commit(h)  # commits step 1: the joiner needs only step 1's gradient now
@@ -69,10 +69,10 @@ async def test_a_joiner_behind_the_commit_waits_and_one_beyond_capacity_is_a_spa
     await h.coord.register_agent("spare", "h", 1)  # room for one spare
     await h.coord.worker_ready(2, ready(2))
     join = h.messages("join")[-1][1]
-    h.coord.joins.progress(2, pb.JoinProgress(step=0, donor=join.donor))
+    h.coord.joins.progress(2, pb.JoinProgress(step=0, donor=join.donor, attempt=join.attempt))
     await commit(h)  # the job has its 2 members: the caught-up joiner stays a spare
     assert h.coord.members == [0, 1] and h.messages("commit")[-1][1].HasField("next_plan")
-    h.coord.joins.progress(2, pb.JoinProgress(step=1, donor=join.donor))
+    h.coord.joins.progress(2, pb.JoinProgress(step=1, donor=join.donor, attempt=join.attempt))
     assert h.coord.joins.spares == [2]
     await h.coord.worker_exited(pb.WorkerExited(replica=0, signal=9))
     assert h.coord.members == [1]
@@ -87,29 +87,75 @@ async def test_a_spare_holding_this_steps_state_carries_on_when_every_member_is_
     await h.start([("a0", 2)])
     assert h.coord.members == [0] and 1 in h.coord.joins.joins
     join = h.messages("join")[-1][1]
-    h.coord.joins.progress(1, pb.JoinProgress(step=0, donor=join.donor))
+    h.coord.joins.progress(1, pb.JoinProgress(step=0, donor=join.donor, attempt=join.attempt))
     await h.coord.worker_exited(pb.WorkerExited(replica=0, signal=9))
     assert h.coord.state is JobState.RUNNING and h.coord.members == [1]
     assert plan_dict(h.messages("generation")[-1][1].plan) == {1: (0, 1, 2, 3)}
 
 
-@scenario
-async def test_a_failed_transfer_tries_another_donor_then_gives_up():
+async def restarted_and_ready() -> tuple[Harness, int]:
+    """Three members; replica 2 dies and its restart is ready to join."""
     h = Harness(make_job(replicas=3, steps=10, m=6))
     await h.start()
     await h.coord.worker_exited(pb.WorkerExited(replica=2, signal=9))
     replica = await restart(h, "a2")
     await h.coord.worker_ready(replica, ready(replica))
+    return h, replica
+
+
+@scenario
+async def test_a_failed_transfer_tries_another_donor_later_then_gives_up():
+    h, replica = await restarted_and_ready()
     first = h.messages("join")[-1][1]
-    h.coord.joins.failed(replica, pb.JoinFailed(donor=first.donor, reason="peer closed"))
+    await h.coord.joins.failed(replica, pb.JoinFailed(donor=first.donor, reason="peer closed",
+                                                      attempt=first.attempt, step=-1))
+    assert len(h.messages("join")) == 1  # not at once: the donor may be dying
+    h.clock.now += 1.0
+    h.coord.joins.retry_waiting()
     second = h.messages("join")[-1][1]
     assert second.donor != first.donor and second.token != first.token
-    h.coord.joins.failed(replica, pb.JoinFailed(donor=first.donor, reason="late news"))
+    assert second.attempt == first.attempt + 1
+    await h.coord.joins.failed(replica, pb.JoinFailed(donor=first.donor, reason="late news",
+                                                      attempt=first.attempt))
     assert h.coord.stale_reports == 1  # a report about the replaced attempt
     for _ in range(MAX_ATTEMPTS - 1):
-        donor = h.messages("join")[-1][1].donor
-        h.coord.joins.failed(replica, pb.JoinFailed(donor=donor, reason="peer closed"))
+        last = h.messages("join")[-1][1]
+        await h.coord.joins.failed(replica, pb.JoinFailed(donor=last.donor, reason="closed",
+                                                          attempt=last.attempt))
+        h.clock.now += 1.0
+        h.coord.joins.retry_waiting()
     assert replica not in h.coord.joins.joins and h.events("join-abandoned")
+    (agent, stop), = h.messages("stop_replica")  # its slot is freed for a new worker
+    assert stop.replica == replica and agent == "a2"
+
+
+@scenario
+async def test_a_spare_whose_donor_died_first_still_replaces_the_lost_members():
+    """The spare's stream breaks before the controller learns its donor (the only member)
+    died: its state is still good, and it carries the job."""
+    h = Harness(make_job(replicas=1, steps=10, m=4))
+    h.job.spares = 1
+    await h.start([("a0", 2)])
+    join = h.messages("join")[-1][1]
+    h.coord.joins.progress(1, pb.JoinProgress(step=0, donor=join.donor, attempt=join.attempt))
+    await h.coord.joins.failed(1, pb.JoinFailed(donor=join.donor, reason="peer closed",
+                                                attempt=join.attempt, step=0))
+    await h.coord.worker_exited(pb.WorkerExited(replica=0, signal=9))
+    assert h.coord.state is JobState.RUNNING and h.coord.members == [1]
+
+
+@scenario
+async def test_an_admitted_joiner_whose_stream_broke_is_recovered_like_a_crash():
+    h, replica = await restarted_and_ready()
+    join = h.messages("join")[-1][1]
+    h.coord.joins.progress(replica, pb.JoinProgress(step=0, donor=join.donor,
+                                                    attempt=join.attempt))
+    await commit(h)
+    assert replica in h.coord.members
+    await h.coord.joins.failed(replica, pb.JoinFailed(donor=join.donor, reason="peer closed",
+                                                      attempt=join.attempt, step=0))
+    assert replica not in h.coord.members
+    assert h.messages("stop_replica")[-1][1].replica == replica
 
 
 @scenario

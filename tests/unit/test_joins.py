@@ -36,7 +36,10 @@ def joined(step: int, phase: JoinPhase = JoinPhase.TRANSFERRING) -> Join:
     (joined(10), 11, 1, 3, False, True, False, "caught up: it enters at step 11"),
     (joined(9), 11, 1, 3, False, False, False, "at step 9, 1 steps behind"),
     (joined(-1), 11, 1, 3, False, False, False, "has no state yet"),
-    (joined(5, JoinPhase.WAITING_DONOR), 11, 1, 3, False, False, False, "no state yet"),
+    (joined(10, JoinPhase.WAITING_DONOR), 11, 1, 3, False, False, False,
+     "no donor to send it step 10"),  # state kept from a failed attempt, stream gone
+    (joined(10, JoinPhase.WAITING_DONOR), 10, 0, 0, False, True, False,
+     "enters at step 10"),  # every member lost: what it holds is all there is
     (joined(10), 11, 1, 4, False, False, True, "hot spare: the job has its 4 members"),
     (joined(10), 11, 1, 3, True, False, False, "the job ends"),
     (joined(10), 10, 0, 0, False, True, False, "enters at step 10"),  # replacing lost members

@@ -1,0 +1,90 @@
+"""A new leader taking over a running job (controller/takeover.py): joins in flight start
+over, the re-sent commit carries its ledger entry, a resumed job keeps its step numbers."""
+
+from __future__ import annotations
+
+from recover.controller import takeover
+from recover.controller.coordinator import Coordinator
+from recover.controller.jobstate import JobState
+from recover.proto import pb
+from tests.unit.coordinator_harness import RENDEZVOUS, Harness, make_job, scenario
+
+
+async def commit(h: Harness) -> None:
+    step = h.coord.step
+    await h.reduce()
+    await h.apply(step)
+
+
+async def new_leader(h: Harness, resumed_from: pb.CheckpointMeta | None = None) -> Harness:
+    """A second coordinator over the same store, as the next term's leader builds it."""
+    successor = Harness(h.job)
+    successor.store, successor.clock = h.store, h.clock
+    successor.coord = Coordinator(h.job, h.store, successor.send, RENDEZVOUS,
+                                  agent_timeout_s=3.0, clock=h.clock)
+    persisted = await takeover.load(h.store, f"/recover/{h.job.job_id}/")
+    successor.coord.restore(persisted, resumed_from)
+    return successor
+
+
+async def joining_when_the_leader_dies() -> Harness:
+    """Two members, and a spare host's replica 2 joining."""
+    h = Harness(make_job(replicas=2, steps=10, m=4))
+    h.job.spares = 1
+    await h.start()
+    await h.coord.register_agent("late", "host-late", 1)
+    await h.coord.worker_ready(2, pb.Ready(pid=7, transfer_address="10.0.0.2:7000"))
+    return h
+
+
+@scenario
+async def test_a_join_in_flight_starts_over_with_the_new_leader():
+    h = await joining_when_the_leader_dies()
+    assert h.messages("join")  # the old leader started the join, then died
+    await commit(h)
+
+    h2 = await new_leader(h)
+    for agent, replicas in (("a0", [0]), ("a1", [1]), ("late", [2])):
+        await h2.coord.register_agent(agent, "host-" + agent, 1, resume=replicas)
+    assert h2.coord.takeover is None and h2.coord.state is JobState.RUNNING
+    resent = h2.messages("commit")[0][1]  # broadcast: one per agent
+    assert resent.step == 0 and resent.record.step == 0  # workers keep it in their ledger
+    (_, join), = h2.messages("join")
+    (_, donate), = h2.messages("donate")
+    assert join.joiner == 2 and donate.address == "10.0.0.2:7000" and join.attempt == 1
+    assert h2.coord.members == [0, 1] and 2 in h2.coord.joins.joins
+
+
+@scenario
+async def test_a_joiner_whose_agent_died_with_the_leader_is_lost_at_the_deadline():
+    h = await joining_when_the_leader_dies()
+
+    h2 = await new_leader(h)
+    for agent, replicas in (("a0", [0]), ("a1", [1])):
+        await h2.coord.register_agent(agent, "host-" + agent, 1, resume=replicas)
+    assert h2.coord.takeover is not None  # it waits for the joiner's agent too, but not forever
+    h.clock.now += 2 * 3.0
+    for agent in ("a0", "a1"):
+        h2.coord.heartbeat(agent)
+    await h2.coord.check_liveness()
+    assert h2.coord.takeover is None and h2.coord.state is JobState.RUNNING
+    assert not h2.messages("join") and not h2.coord.replicas[2].alive
+    assert h2.coord.recoveries == 0  # a lost joiner costs the step nothing
+
+
+@scenario
+async def test_a_resumed_job_keeps_its_step_numbers_across_a_takeover():
+    h = Harness(make_job(replicas=2, steps=10, m=4))
+    before = [pb.StepRecord(step=s, generation=1, loss=3.0 - s) for s in range(5)]
+    checkpoint = pb.CheckpointMeta(step=5, ledger=before)
+    h.coord.resume_from(checkpoint)
+    await h.start()
+    await commit(h)  # step 5
+    assert h.coord.step == 6
+
+    h2 = await new_leader(h, resumed_from=checkpoint)
+    for agent, replicas in (("a0", [0]), ("a1", [1])):
+        await h2.coord.register_agent(agent, "host-" + agent, 1, resume=replicas)
+    assert h2.coord.step == 6 and [r.step for r in h2.coord.steps] == list(range(6))
+    assert h2.messages("commit")[0][1].step == 5
+    assert h2.messages("generation")[-1][1].plan.step == 6
