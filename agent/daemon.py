@@ -29,6 +29,7 @@ from recover.agent.restarts import decide_restart
 from recover.agent.workers import WorkerProcess, exit_report, spawn_worker, stop_workers
 from recover.common import progress
 from recover.common.netaddr import local_address_towards
+from recover.common.security import Security
 from recover.proto import pb, rpc
 
 log = logging.getLogger("recover.agent")
@@ -72,6 +73,8 @@ class AgentConfig:
     """Address the metrics endpoint listens on."""
     max_restarts: int = 3
     """Times a slot's worker is replaced after it dies (with backoff); 0: never."""
+    security: Security = Security()
+    """Credentials towards the controller (TLS, a client certificate, a token)."""
 
 
     @property
@@ -136,7 +139,7 @@ class Agent:
         timeout = cfg.reconnect_timeout_s if resume else cfg.connect_timeout_s
         try:
             session = await open_session(cfg.controllers, [self._registration(resume)], timeout,
-                                         lost=lost)
+                                         lost=lost, security=cfg.security)
         except LinkError as exc:
             raise AgentError(str(exc)) from None
         self.term = max(self.term, session.term)

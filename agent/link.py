@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 
 from recover.agent.fencing import leader_hint
+from recover.common.security import PLAINTEXT, Security, aio_channel, explain_transport
 from recover.proto import pb, rpc
 
 log = logging.getLogger("recover.agent")
@@ -99,12 +100,13 @@ async def connected(channel: grpc.aio.Channel, timeout_s: float) -> bool:
 
 
 async def _attempt(address: str, first: list[pb.AgentMessage], attempt_s: float,
-                   reply_s: float) -> Session | str:
+                   reply_s: float, security: Security) -> Session | str:
     """One try at one address: the session, or why not (a leader hint, or a reason)."""
-    channel = grpc.aio.insecure_channel(address, options=KEEPALIVE_OPTIONS)
+    channel = aio_channel(address, security, options=KEEPALIVE_OPTIONS)
     if not await connected(channel, attempt_s):
+        why = await _transport_error(channel, security.tls)
         await channel.close()
-        return f"{address}: nothing answered"
+        return f"{address}: nothing answered" + (f" ({why})" if why else "")
     queue: asyncio.Queue[pb.AgentMessage | None] = asyncio.Queue()
     for message in first:
         queue.put_nowait(message)
@@ -130,9 +132,23 @@ async def _attempt(address: str, first: list[pb.AgentMessage], attempt_s: float,
     return Session(channel, call, queue, reply.registered, address, reply.term)
 
 
+async def _transport_error(channel: grpc.aio.Channel, tls: bool) -> str:
+    """What gRPC says of a connection that did not come up (a failed TLS handshake...).
+    Asked only of one that failed (not one still connecting: an unreachable leader must not
+    cost a failover more time)."""
+    if channel.get_state() is not grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+        return ""
+    try:
+        await rpc.ControlStub(channel).Status(pb.StatusRequest(), timeout=0.2)
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() is grpc.StatusCode.UNAVAILABLE:
+            return explain_transport(exc.details() or "", tls)
+    return ""
+
+
 async def open_session(addresses: list[str], first: list[pb.AgentMessage], timeout_s: float,
                        attempt_s: float = 1.0, lost: str | None = None,
-                       reply_s: float = 10.0) -> Session:
+                       reply_s: float = 10.0, security: Security = PLAINTEXT) -> Session:
     """Try the addresses (a standby's leader hint first, the leader just `lost` last)
     until a leader registers us."""
     if lost in addresses:
@@ -147,12 +163,12 @@ async def open_session(addresses: list[str], first: list[pb.AgentMessage], timeo
         hint = None
         for address in order:
             outcome = await _attempt(address, first, min(attempt_s, max(deadline - time.monotonic(),
-                                                                       0.1)), reply_s)
+                                                                       0.1)), reply_s, security)
             if isinstance(outcome, Session):
                 log.info("session with the leader at %s (term %d)", address, outcome.term)
                 return outcome
             reasons.append(outcome)
-            if outcome.endswith("nothing answered"):
+            if "nothing answered" in outcome:
                 silent[address] = time.monotonic()
             named = leader_hint(outcome)
             # Until a dead leader's lease runs out, standbys still name it: follow a
@@ -163,8 +179,11 @@ async def open_session(addresses: list[str], first: list[pb.AgentMessage], timeo
                 break
         if time.monotonic() >= deadline:
             if all("nothing answered" in r for r in reasons):
+                why = next((r.split("nothing answered (", 1)[1][:-1]
+                            for r in reversed(reasons) if "nothing answered (" in r), "")
                 raise LinkError(f"cannot reach the controller at {','.join(addresses)} "
-                                f"(nothing answered within {timeout_s:.0f}s)")
+                                f"(nothing answered within {timeout_s:.0f}s)"
+                                + (f": {why}" if why else ""))
             raise LinkError(f"no leading controller among {','.join(addresses)} within "
                             f"{timeout_s:.0f}s (last: {reasons[-1]})")
         if not hint:

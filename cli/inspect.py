@@ -11,6 +11,8 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
+from recover.common.security import Security, explain_transport, from_values
+from recover.common.security import channel as secure_channel
 from recover.proto import pb, rpc
 
 
@@ -18,18 +20,35 @@ class ControllerUnreachable(Exception):
     """Nobody answers at the controller address."""
 
 
-def connect(address: str, timeout_s: float = 5.0) -> tuple[grpc.Channel, rpc.ControlStub]:
-    channel = grpc.insecure_channel(address)
+def connect(address: str, timeout_s: float = 5.0, security: Security | None = None
+            ) -> tuple[grpc.Channel, rpc.ControlStub]:
+    """A channel to the controller at `address`, with `security` (None: from the
+    RECOVER_TLS_* and RECOVER_TOKEN_FILE environment)."""
+    security = security if security is not None else from_values()
+    channel = secure_channel(address, security)
     try:
         grpc.channel_ready_future(channel).result(timeout=timeout_s)
     except grpc.FutureTimeoutError:
+        why = transport_error(channel, security.tls)
         channel.close()
         raise ControllerUnreachable(
-            f"no controller answers at {address} (waited {timeout_s:.0f}s)") from None
+            f"no controller answers at {address} (waited {timeout_s:.0f}s)"
+            + (f": {why}" if why else "")) from None
     return channel, rpc.ControlStub(channel)
 
 
-def connect_leader(addresses: str, timeout_s: float = 5.0) -> tuple[grpc.Channel, rpc.ControlStub]:
+def transport_error(channel: grpc.Channel, tls: bool) -> str:
+    """Why a channel does not connect, as gRPC saw it (a TLS handshake that failed...)."""
+    try:
+        rpc.ControlStub(channel).Status(pb.StatusRequest(), timeout=1.0)
+    except grpc.RpcError as exc:
+        if exc.code() is grpc.StatusCode.UNAVAILABLE:  # type: ignore[attr-defined]
+            return explain_transport(exc.details() or "", tls)  # type: ignore[attr-defined]
+    return ""
+
+
+def connect_leader(addresses: str, timeout_s: float = 5.0, security: Security | None = None
+                   ) -> tuple[grpc.Channel, rpc.ControlStub]:
     """Connect to the leading controller among comma-separated `addresses`.
 
     A standby names the leader it sees, which is tried too. With no leader
@@ -37,7 +56,7 @@ def connect_leader(addresses: str, timeout_s: float = 5.0) -> tuple[grpc.Channel
     """
     candidates = [a.strip() for a in addresses.split(",") if a.strip()]
     if len(candidates) == 1:
-        return connect(candidates[0], timeout_s)
+        return connect(candidates[0], timeout_s, security)
     deadline = time.monotonic() + timeout_s
     while True:  # every address, again, until one answers or the time is up
         fallback: tuple[grpc.Channel, rpc.ControlStub] | None = None
@@ -46,7 +65,7 @@ def connect_leader(addresses: str, timeout_s: float = 5.0) -> tuple[grpc.Channel
             if remaining <= 0:
                 break
             try:
-                channel, stub = connect(address, min(remaining, 2.0))
+                channel, stub = connect(address, min(remaining, 2.0), security)
                 status = stub.Status(pb.StatusRequest(), timeout=min(remaining, 2.0))
             except (ControllerUnreachable, grpc.RpcError):
                 continue
@@ -111,16 +130,16 @@ def format_event(event: pb.Event) -> str:
     return f"{stamp} #{event.seq:<4} {event.kind:<16} {where:<28} {event.message}"
 
 
-def write_summary(addresses: str, out: str, timeout_s: float) -> int:
+def write_summary(addresses: str, out: str, timeout_s: float,
+                  security: Security | None = None) -> int:
     """`recover summary`: fetch the run report from the leader, write OUT/summary.json."""
     from recover.controller.summary import build_summary, format_summary
     from recover.controller.summary import write_summary as write
 
-    try:
-        channel, stub = connect_leader(addresses, timeout_s)
-    except ControllerUnreachable as exc:
-        print(f"recover summary: {exc}", file=sys.stderr)
+    connected = connect_or_say("summary", addresses, timeout_s, security)
+    if connected is None:
         return 1
+    channel, stub = connected
     try:
         report = stub.Report(pb.ReportRequest(), timeout=timeout_s)
     except grpc.RpcError as exc:
@@ -141,12 +160,21 @@ def write_summary(addresses: str, out: str, timeout_s: float) -> int:
     return 0
 
 
-def main(args: argparse.Namespace) -> int:
+def connect_or_say(command: str, addresses: str, timeout_s: float, security: Security | None
+                   ) -> tuple[grpc.Channel, rpc.ControlStub] | None:
+    """The leader's channel, or None after saying on stderr why there is none."""
     try:
-        channel, stub = connect_leader(args.controller, args.timeout)
+        return connect_leader(addresses, timeout_s, security)
     except ControllerUnreachable as exc:
-        print(f"recover {args.command}: {exc}", file=sys.stderr)
+        print(f"recover {command}: {exc}", file=sys.stderr)
+        return None
+
+
+def main(args: argparse.Namespace, security: Security | None = None) -> int:
+    connected = connect_or_say(args.command, args.controller, args.timeout, security)
+    if connected is None:
         return 1
+    channel, stub = connected
     try:
         if args.command == "status":
             status = stub.Status(pb.StatusRequest(), timeout=5)
@@ -163,7 +191,7 @@ def main(args: argparse.Namespace) -> int:
             time.sleep(0.5)
     except grpc.RpcError as exc:
         print(f"recover {args.command}: controller at {args.controller} failed: "
-              f"{exc.code().name}", file=sys.stderr)  # type: ignore[attr-defined]
+              f"{exc.code().name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
         return 1
     finally:
         channel.close()

@@ -21,11 +21,15 @@ import grpc
 
 from recover.cli import inspect
 from recover.cli.jobargs import UsageError, job_from_args, job_to_args
+from recover.cli.localtls import local_tls
 from recover.cli.preflight import check_out, check_store
+from recover.common.security import Security
 from recover.controller.summary import build_summary, format_summary, write_summary
 from recover.proto import pb
 
-TERMINAL = ("succeeded", "failed")
+TERMINAL = ("succeeded", "failed", "stopped")
+EXIT_STOPPED = 3
+"""`recover run`'s exit code when an operator stopped the job (`recover stop`)."""
 SHOWN_EVENTS = ("replica-failed", "generation", "recovered", "agent-lost", "failed", "divergence",
                 "replica-joined", "spare-promoted", "state-transfer", "join-abandoned",
                 "checkpoint-written", "checkpoint-failed", "resumed")
@@ -195,6 +199,7 @@ def run_local(args: argparse.Namespace) -> int:
     port_files = [out / f"{controller_name(i)}.port" for i in range(args.controllers)]
     for port_file in port_files:
         port_file.unlink(missing_ok=True)
+    tls = local_tls(out / "tls", agents) if args.tls else None
     job = LocalJob(out)
     signal.signal(signal.SIGTERM, _terminate)
     progress = Progress(enabled=not args.quiet)
@@ -208,6 +213,7 @@ def run_local(args: argparse.Namespace) -> int:
                 "--controller-id", controller_name(index), "--start-timeout",
                 repr(args.start_timeout), "--start-grace", repr(args.start_grace),
                 *(["--resume", job_config.resume.path] if job_config.resume.path else []),
+                *(tls.flags("controller") if tls else []),
                 *job_to_args(job_config)])
         addresses = [f"127.0.0.1:{_wait_for_port(job, controller_name(i), f)}"
                      for i, f in enumerate(port_files)]
@@ -217,16 +223,20 @@ def run_local(args: argparse.Namespace) -> int:
             job.start(f"agent-{index}", [
                 python, "-m", "recover.cli.main", "agent", "--controller", address,
                 "--slots", str(slots), "--agent-id", f"host{index}", "--log-dir", str(job.logs),
-                "--max-restarts", str(args.max_restarts)])
+                "--max-restarts", str(args.max_restarts),
+                *(tls.flags(f"host{index}") if tls else [])])
         print(f"recover run: job {job_config.job_id}, {job_config.replicas} replicas on {agents} "
               f"agents, controller{'s' if len(addresses) > 1 else ''} {address}, logs in "
               f"{job.logs}", file=sys.stderr)
-        report = _watch(job, addresses, progress)
+        report = _watch(job, addresses, progress, tls.security("launcher") if tls else None)
         summary = build_summary(report, time.monotonic() - started)
         write_summary(summary, out)
         progress.done()
         print(format_summary(summary))
         print(f"summary: {out / 'summary.json'}")
+        if summary["state"] == "stopped":
+            print(f"recover run: {summary['reason']}", file=sys.stderr)
+            return EXIT_STOPPED
         if summary["state"] != "succeeded":
             _print_user_traceback(summary)
             print(f"recover run: training failed: {summary['reason']}", file=sys.stderr)
@@ -256,7 +266,8 @@ def _print_user_traceback(summary: dict[str, object]) -> None:
             return
 
 
-def _watch(job: LocalJob, addresses: list[str], progress: Progress) -> pb.RunReport:
+def _watch(job: LocalJob, addresses: list[str], progress: Progress,
+           security: Security | None) -> pb.RunReport:
     """Follow the job through the leading controller, to the new one after a failover."""
     controllers = [n for n in job.processes if n.startswith("controller")]
     after = 0
@@ -270,7 +281,8 @@ def _watch(job: LocalJob, addresses: list[str], progress: Progress) -> pb.RunRep
                                   f": {job.log_tail(name)}")
             if channel is None:
                 try:
-                    channel, stub = inspect.connect_leader(",".join(addresses), timeout_s=30)
+                    channel, stub = inspect.connect_leader(",".join(addresses), timeout_s=30,
+                                                           security=security)
                 except inspect.ControllerUnreachable as exc:
                     raise LaunchError(str(exc)) from None
             try:

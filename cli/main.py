@@ -6,6 +6,10 @@
     recover status      a running job's state
     recover events      a running job's event log
     recover summary     a job's summary.json, fetched from its controller
+    recover stop        stop a job at the next step boundary (operators)
+    recover drain       take an agent's replicas out of a job (operators)
+    recover spares      set a job's hot spares (operators)
+    recover certs       a CA, certificates and tokens for a cluster
     recover verify      compare two runs' ledgers and parameter digests step by step
     recover plot        draw loss per step of several runs, failures marked
     recover bench       benchmarks: throughput, recovery, overhead, controller, simulator
@@ -21,7 +25,18 @@ import os
 import signal
 import sys
 
-from recover.cli import bench, jobfile
+if sys.argv[1:2] != ["controller"]:
+    # gRPC's own INFO lines (a refused handshake...) would precede the one line a client
+    # prints about it; a controller keeps them: they are its side of a refused handshake.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+from recover.cli import bench, certs, jobfile
+from recover.cli.access import (
+    add_operator_parsers,
+    add_security_arguments,
+    run_operator,
+    security_from_args,
+)
 from recover.cli.jobargs import (
     Parser,
     UsageError,
@@ -63,6 +78,9 @@ def build_parser() -> Parser:
     run.add_argument("--resume", default=None, metavar="DIR",
                      help="restart a job that lost every replica from its newest intact "
                           "checkpoint in DIR (the job as checkpointed; other job flags ignored)")
+    run.add_argument("--tls", action="store_true",
+                     help="mutual TLS between every component of the local job (a throwaway "
+                          "CA and certificates in OUT/tls)")
     run.add_argument("--controllers", type=int, default=1,
                      help="controller processes (one leads, the others stand by; needs an etcd "
                           "--store when more than 1)")
@@ -98,6 +116,7 @@ def build_parser() -> Parser:
                           "or file, from its step; other job flags are ignored")
     ctl.add_argument("--summary-out", default=None, metavar="DIR",
                      help="write DIR/summary.json when the job ends (as `recover run` does)")
+    add_security_arguments(ctl)
 
     agent = sub.add_parser("agent", help="run one host's workers",
                            usage="recover agent --controller HOST:PORT --slots N [-- COMMAND ...]")
@@ -114,6 +133,7 @@ def build_parser() -> Parser:
     agent.add_argument("--max-restarts", type=int, default=3,
                        help="times each slot's worker is replaced after it dies, with backoff "
                             "(default 3; 0: never)")
+    add_security_arguments(agent)
     agent.add_argument("worker_command", nargs=argparse.REMAINDER,
                        help="after --: the worker command (default: the job's, set on the "
                             "controller)")
@@ -128,12 +148,16 @@ def build_parser() -> Parser:
                        help="seconds to wait for the controller to answer")
         if name == "events":
             p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
+        add_security_arguments(p)
     summary = sub.add_parser("summary", help="write a job's summary.json, fetched from its controller")
     summary.add_argument("--controller", default="127.0.0.1:50051",
                          help="HOST:PORT, or a comma-separated list (the leader among them answers)")
     summary.add_argument("--out", required=True, metavar="DIR", help="where summary.json goes")
     summary.add_argument("--timeout", type=positive_seconds, default=10.0,
                          help="seconds to wait for the controller to answer")
+    add_security_arguments(summary)
+    add_operator_parsers(sub)
+    certs.add_parser(sub)
     verify = sub.add_parser("verify", help="compare two runs step by step (samples, parameters)")
     verify.add_argument("run_a", help="a run directory (with summary.json) or a summary.json")
     verify.add_argument("run_b")
@@ -187,13 +211,18 @@ def _run_controller(args: argparse.Namespace) -> int:
     if not 2 <= args.lease_ttl <= 60:
         raise UsageError(f"--lease-ttl must be 2..60 seconds, got {args.lease_ttl}")
     check_store(args.store, "recover controller", args.store_timeout)
+    security = security_from_args(args, "controller")
+    if security.tls and not security.cert:
+        raise UsageError("recover controller: serving TLS needs --tls-cert and --tls-key "
+                         "(--tls-ca alone is what clients use)")
     logs.configure("controller")
     config = ControllerConfig(host=args.host, port=args.port, port_file=args.port_file,
                               store_url=args.store, agent_timeout_s=args.agent_timeout,
                               start_timeout_s=args.start_timeout, linger_s=args.linger,
                               metrics_port=args.metrics_port, advertise=args.advertise,
                               controller_id=args.controller_id, lease_ttl_s=args.lease_ttl,
-                              summary_dir=args.summary_out, start_grace_s=args.start_grace)
+                              summary_dir=args.summary_out, start_grace_s=args.start_grace,
+                              security=security)
     try:
         return asyncio.run(serve(config, job))
     except OSError as exc:
@@ -211,11 +240,12 @@ def _run_agent(args: argparse.Namespace) -> int:
     if not 0 <= args.max_restarts <= 1000:
         raise UsageError(f"--max-restarts must be between 0 and 1000, got {args.max_restarts}")
     command = args.worker_command[1:] if args.worker_command[:1] == ["--"] else args.worker_command
+    security = security_from_args(args, "agent")
     logs.configure("agent")
     config = AgentConfig(controller=args.controller, slots=args.slots,
                          command=command or None, log_dir=args.log_dir,
                          connect_timeout_s=args.connect_timeout, metrics_port=args.metrics_port,
-                         max_restarts=args.max_restarts,
+                         max_restarts=args.max_restarts, security=security,
                          **({"agent_id": args.agent_id} if args.agent_id else {}))
     try:
         return asyncio.run(Agent(config).run())
@@ -266,15 +296,17 @@ def main(argv: list[str] | None = None) -> int:
 
             print(f"wrote {plot.plot(args.runs, args.out, args.label)}")
             return 0
-        if args.command == "summary":
-            from recover.cli import inspect
-
-            parse_addresses(args.controller)
-            return inspect.write_summary(args.controller, args.out, args.timeout)
+        if args.command == "certs":
+            return certs.run(args)
+        parse_addresses(args.controller)
+        if args.command in ("stop", "drain", "spares"):
+            return run_operator(args)
         from recover.cli import inspect
 
-        parse_addresses(args.controller)
-        return inspect.main(args)
+        security = security_from_args(args, args.command)
+        if args.command == "summary":
+            return inspect.write_summary(args.controller, args.out, args.timeout, security)
+        return inspect.main(args, security)
     except UsageError as exc:
         print(str(exc), file=sys.stderr)
         return 2

@@ -16,3 +16,15 @@ def local_address_towards(host: str, port: int) -> str | None:
             return str(probe.getsockname()[0])
     except (OSError, OverflowError):
         return None
+
+
+def is_loopback(host: str) -> bool:
+    """Does `host` (a name or an address) resolve only to loopback addresses?"""
+    import ipaddress
+
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except (OSError, UnicodeError):
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback
+                               for info in infos)

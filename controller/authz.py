@@ -18,6 +18,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from enum import StrEnum
 
+from recover.common.security import Identity, Role
+
 
 class Reason(StrEnum):
     """Why a message or call was refused (the metric's label)."""
@@ -45,13 +47,42 @@ class Verdict:
 ALLOWED = Verdict(True, "allowed")
 
 
-def may_register(agent_id: str, live_sessions: Collection[str]) -> Verdict:
+def may_register(agent_id: str, live_sessions: Collection[str], subject: str = "",
+                 bound_subject: str | None = None) -> Verdict:
     """A registration may not take over the id of an agent whose session is live: the live
-    agent keeps its session untouched (a stranger must not be able to knock it out)."""
+    agent keeps its session untouched (a stranger must not be able to knock it out). An
+    agent id is bound to the identity that registered it first (`bound_subject`): only
+    that identity may rejoin as it."""
     if agent_id in live_sessions:
         return Verdict(False, f"agent id {agent_id!r} has a live session; refusing a second one",
                        Reason.IMPOSTOR)
+    if bound_subject is not None and bound_subject != subject:
+        owner = bound_subject or "an anonymous agent"
+        return Verdict(False, f"agent id {agent_id!r} belongs to {owner}, not "
+                              f"{subject or 'an anonymous caller'}", Reason.IMPOSTOR)
     return ALLOWED
+
+
+RPC_ROLES: dict[str, frozenset[Role]] = {
+    "Session": frozenset({Role.AGENT}),
+    "Status": frozenset({Role.READER, Role.OPERATOR, Role.CONTROLLER, Role.AGENT}),
+    "Events": frozenset({Role.READER, Role.OPERATOR, Role.CONTROLLER}),
+    "Report": frozenset({Role.READER, Role.OPERATOR, Role.CONTROLLER}),
+    "Stop": frozenset({Role.OPERATOR}),
+    "Drain": frozenset({Role.OPERATOR}),
+    "SetSpares": frozenset({Role.OPERATOR}),
+}
+"""The roles that may call each RPC (an agent may ask status: `recover status` on a host)."""
+
+
+def may_call(method: str, identity: Identity) -> Verdict:
+    allowed = RPC_ROLES.get(method, frozenset())
+    if identity.roles & allowed:
+        return ALLOWED
+    held = ", ".join(sorted(identity.roles)) or "no role"
+    need = " or ".join(sorted(allowed)) or "nobody"
+    return Verdict(False, f"{identity.subject} ({held}) may not call {method}: it needs {need}",
+                   Reason.FORBIDDEN)
 
 
 REPLICA_MESSAGES = ("worker_exited", "ready", "resumed", "reduced", "applied", "join_progress",

@@ -33,6 +33,7 @@ from recover.controller.jobstate import (
 )
 from recover.controller.joinflow import JoinFlow
 from recover.controller.membership import Membership
+from recover.controller.operations import Operations
 from recover.controller.recoveries import RecoveryTracker, observed_phase
 from recover.controller.store import Store
 from recover.controller.takeover import PersistedJob, Takeover
@@ -43,7 +44,7 @@ log = logging.getLogger("recover.controller")
 Send = Callable[[str, pb.ControllerMessage], None]
 
 
-class Coordinator(Membership):
+class Coordinator(Membership, Operations):
     def __init__(
         self,
         job: pb.JobConfig,
@@ -96,6 +97,10 @@ class Coordinator(Membership):
         """Refused registrations, reports and calls, by reason (controller/authz.py)."""
         self.startup_failed_at: float | None = None
         """When a worker last failed before the job started (admission.start_decision)."""
+        self.stopping = ""
+        """Why the job stops at the next step boundary (an operator's stop: operations.py)."""
+        self.draining: set[str] = set()
+        """Agents whose replicas leave at the next step boundary (an operator's drain)."""
 
     def restore(self, persisted: PersistedJob,
                 resumed_from: pb.CheckpointMeta | None = None) -> None:
@@ -196,7 +201,10 @@ class Coordinator(Membership):
             generation=self.generation, members=members, rendezvous=self._rendezvous,
             plan=plan_message(self.step, self.generation, self.scale_epoch, decision),
             rendezvous_prefix=secrets.token_hex(16))
-        await self._store.put(self._prefix + "generation", view.SerializeToString())
+        # The failures and events that led here ride along: a leader deposed right after
+        # must not take them with it (its successor's summary reports them).
+        await self._store.put_many([*self.events.take_pending(),
+                                    (self._prefix + "generation", view.SerializeToString())])
         self.events.emit("generation", f"members {members}; {decision.reason}",
                          step=self.step, generation=self.generation)
         self.broadcast(pb.ControllerMessage(generation=view))
@@ -267,15 +275,23 @@ class Coordinator(Membership):
         commit = pb.Commit(step=step, generation=self.generation, final=final,
                            microbatches=record.microbatches, tokens=record.tokens, record=record)
         commit.record.ClearField("sample_ids")  # the digest is the ledger entry workers keep
-        entering = self.joins.entering(self.step, final=final)
-        if not final and not entering:
+        stop = bool(self.stopping) and not final
+        entering = [] if stop else self.joins.entering(self.step, final=final)
+        leaving = [] if final or stop else self.leaving_at_boundary()
+        if not final and not stop and not entering and not leaving:
             decision = policy.uniform_plan(self.members, job.global_microbatches)
             self.plan = dict(decision.assignment)
             commit.next_plan.CopyFrom(plan_message(self.step, self.generation, 0, decision))
+        commit.checkpoint_now = stop
         self._progress.reduced.clear()
         self.broadcast(pb.ControllerMessage(commit=commit))
-        if entering:  # joiners enter at the step boundary: a new generation with them
-            members = sorted([*self.members, *entering])
+        if stop:
+            await self.stop_now()
+            return
+        if leaving:
+            await self.finish_drains()
+        if entering or leaving:  # joiners enter, drained members leave at the step boundary
+            members = sorted({*self.members, *entering} - set(leaving))
             await self.new_generation(members, policy.uniform_plan(members,
                                                                    job.global_microbatches))
 
@@ -319,7 +335,7 @@ class Coordinator(Membership):
         await self._end(success=False)
 
     async def _end(self, success: bool) -> None:
-        result = pb.Shutdown(reason=self.reason, success=success)
+        result = pb.Shutdown(reason=self.reason, success=success, state=str(self.state))
         await self._store.put(self._prefix + "result", result.SerializeToString())
         shutdown = pb.ControllerMessage(shutdown=result)
         for agent in self.agents.values():

@@ -103,8 +103,10 @@ class EtcdStore(Store):
             return
         txn = self._client.transactions
         ops = [txn.put(k.encode(), bytes(v)) for k, v in items]
-        await self._retry("write", lambda: self._client.transaction(compare=[], success=ops,
-                                                                     failure=[]))
+        for start in range(0, len(ops), 100):  # etcd's --max-txn-ops is 128 by default
+            chunk = ops[start:start + 100]
+            await self._retry("write", lambda chunk=chunk: self._client.transaction(
+                compare=[], success=chunk, failure=[]))
 
     async def delete(self, key: str) -> None:
         await self._retry("delete", lambda: self._client.delete(key.encode()))

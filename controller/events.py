@@ -67,8 +67,14 @@ class EventLog:
     async def flush(self) -> None:
         """Persist the events emitted since the last flush."""
         if self._pending:
-            pending, self._pending = self._pending, []
-            await self._store.put_many(pending)
+            await self._store.put_many(self.take_pending())
+
+    def take_pending(self) -> list[tuple[str, bytes]]:
+        """The writes waiting for the next flush, handed over to ride along with a write the
+        caller makes anyway (a new generation): what led to it is then never lost with a
+        leader that is deposed right after."""
+        pending, self._pending = self._pending, []
+        return pending
 
     def since(self, after_seq: int) -> list[pb.Event]:
         return self._events[max(after_seq, 0):]

@@ -21,15 +21,18 @@ class JobState(StrEnum):
     WAITING -> FAILED     a worker's script failed before training started, or start timed out
     RUNNING -> SUCCEEDED  every live replica applied the final step
     RUNNING -> FAILED     no live replica left, or a commit broke the invariant
+    WAITING -> STOPPED    an operator stopped it (operations.py)
+    RUNNING -> STOPPED    an operator stopped it: at the step boundary after the request
     """
 
     WAITING = "waiting"
     RUNNING = "running"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
+    STOPPED = "stopped"
 
 
-TERMINAL = (JobState.SUCCEEDED, JobState.FAILED)
+TERMINAL = (JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED)
 
 
 class RegistrationRefused(Exception):
@@ -56,6 +59,9 @@ class AgentInfo:
     replicas: list[int]
     last_heartbeat: float
     alive: bool = True
+    subject: str = ""
+    """The identity that registered it (certificate or token; empty in plaintext): only it
+    may rejoin as this agent."""
 
 
 def sample_digest(sample_ids: Iterable[int]) -> str:

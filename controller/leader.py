@@ -231,6 +231,10 @@ class LeaderElection:
         self.role, self.lease, self.record, self._valid_until = Role.STANDBY, 0, b"", 0.0
 
 
+MAX_TXN_WRITES = 100
+"""Writes per transaction (etcd refuses more than --max-txn-ops, 128 by default, in one)."""
+
+
 class LeaderStore(Store):
     """The store as a leader may write it: every write is fenced by the leader key.
 
@@ -264,9 +268,11 @@ class LeaderStore(Store):
         await self._write([Write(key, value)])
 
     async def put_many(self, items: Iterable[tuple[str, bytes]]) -> None:
+        """In order, in fenced transactions of at most MAX_TXN_WRITES (etcd's limit on the
+        operations of one transaction is 128 by default): the last item is written last."""
         writes = [Write(k, v) for k, v in items]
-        if writes:
-            await self._write(writes)
+        for start in range(0, len(writes), MAX_TXN_WRITES):
+            await self._write(writes[start:start + MAX_TXN_WRITES])
 
     async def delete(self, key: str) -> None:
         raise NotImplementedError("a leader never deletes job state")

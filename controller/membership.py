@@ -53,7 +53,7 @@ class Membership(_Base):
     async def _persist_agent(self, agent: AgentInfo) -> None:
         # Before the agent learns its replicas: a new leader must know who hosts them.
         record = pb.AgentRecord(agent_id=agent.agent_id, host=agent.host,
-                                replica_ids=agent.replicas)
+                                replica_ids=agent.replicas, subject=agent.subject)
         for r in agent.replicas:
             info = self.replicas.get(r)
             if info is not None and info.alive and info.transfer_address:
@@ -63,7 +63,7 @@ class Membership(_Base):
                                      record.SerializeToString())])
 
     async def register_agent(self, agent_id: str, host: str, slots: int,
-                             resume: list[int] | None = None) -> list[int]:
+                             resume: list[int] | None = None, subject: str = "") -> list[int]:
         """A new agent joins (`resume` None), or one whose workers kept running rejoins a new leader."""
         if resume is not None:
             if self.takeover is None:
@@ -79,7 +79,8 @@ class Membership(_Base):
         if not admission.admitted:
             raise RegistrationRefused(admission.reason)
         ids = list(admission.replica_ids)
-        agent = self.agents[agent_id] = AgentInfo(agent_id, host, ids, self._clock())
+        agent = self.agents[agent_id] = AgentInfo(agent_id, host, ids, self._clock(),
+                                                  subject=subject)
         for slot, replica in enumerate(ids):
             self.replicas[replica] = ReplicaInfo(replica, agent_id, slot=slot)
         await self._persist_agent(agent)

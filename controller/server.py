@@ -17,8 +17,11 @@ import grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
 from recover.common import ckptfile
+from recover.common.netaddr import is_loopback
+from recover.common.security import Authenticator, Security, server_credentials
 from recover.controller import takeover
 from recover.controller.coordinator import Coordinator, JobState
+from recover.controller.gate import Gate, add_service
 from recover.controller.leader import ElectionConfig, LeaderElection, LeaderStore, LostLeadership
 from recover.controller.metrics import ControllerCollector, RoleCollector
 from recover.controller.rendezvous import RendezvousHost
@@ -30,7 +33,7 @@ from recover.controller.service import (
 )
 from recover.controller.store import Store, StoreError, open_store
 from recover.controller.summary import build_summary, write_summary
-from recover.proto import pb, rpc
+from recover.proto import pb
 
 log = logging.getLogger("recover.controller")
 
@@ -69,6 +72,9 @@ class ControllerConfig:
     start_grace_s: float = 10.0
     """After a worker failed during startup: how long its replacement gets before the job
     starts with fewer replicas (admission.start_decision)."""
+    security: Security = Security()
+    """TLS / mutual TLS / bearer tokens for the gRPC server and the metrics endpoint
+    (common/security.py); empty: plaintext, anyone who reaches the port is anonymous."""
 
 
 async def wait_for_store(store: Store, url: str, retry_s: float = 2.0) -> None:
@@ -95,15 +101,21 @@ async def serve(config: ControllerConfig, job: pb.JobConfig) -> int:
     rendezvous = RendezvousHost(config.host)
     store = open_store(config.store_url)
     await wait_for_store(store, config.store_url)
-    sessions = AgentSessions()
+    security = config.security
+    sessions = AgentSessions(Gate(Authenticator(security) if security.enabled else None))
     control = ControlService(sessions)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *KEEPALIVE_SERVER_OPTIONS])
-    rpc.add_AgentSessionServicer_to_server(sessions, server)
-    rpc.add_ControlServicer_to_server(control, server)
+    add_service(server, sessions, "AgentSession")
+    add_service(server, control, "Control")
+    listen = f"{config.host}:{config.port}"
     try:
-        port = server.add_insecure_port(f"{config.host}:{config.port}")
+        port = (server.add_secure_port(listen, server_credentials(security)) if security.tls
+                else server.add_insecure_port(listen))
     except RuntimeError as exc:
-        raise OSError(f"cannot listen on {config.host}:{config.port}: {exc}") from None
+        raise OSError(f"cannot listen on {listen}: {exc}") from None
+    if not security.enabled and not is_loopback(config.host):
+        log.warning("listening on %s without TLS or a token: anyone who reaches it can act as "
+                    "an agent or read the job (see README \"Securing a cluster\")", listen)
     await server.start()
     address = config.advertise or f"{config.host}:{port}"
     election = LeaderElection(store, job.job_id, address, config.controller_id or
@@ -113,7 +125,10 @@ async def serve(config: ControllerConfig, job: pb.JobConfig) -> int:
     registry = CollectorRegistry()
     registry.register(RoleCollector(election))
     if config.metrics_port is not None:
-        metrics_server, _ = start_http_server(config.metrics_port, config.host, registry=registry)
+        tls = dict(certfile=security.cert, keyfile=security.key, client_cafile=security.ca or None,
+                   client_auth_required=bool(security.ca)) if security.cert else {}
+        metrics_server, _ = start_http_server(config.metrics_port, config.host, registry=registry,
+                                              **tls)
         log.info("metrics on http://%s:%d/metrics", config.host, metrics_server.server_port)
     if config.port_file:
         tmp = Path(f"{config.port_file}.tmp")

@@ -5,19 +5,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
 from recover.controller import authz
 from recover.controller.coordinator import Coordinator
+from recover.controller.gate import Gate, Malformed
 from recover.controller.jobstate import RegistrationRefused
 from recover.controller.leader import LeaderElection, LostLeadership
+from recover.controller.operations import Decision
 from recover.controller.store import StoreError
 from recover.proto import pb, rpc
 
 log = logging.getLogger("recover.controller")
 
+
+REJECTED_EVENTS_FIRST = 20
+REJECTED_EVENTS_EVERY = 1000
 
 KEEPALIVE_SERVER_OPTIONS = [
     # Agents ping every second to notice a stopped leader; let them.
@@ -36,7 +41,9 @@ class AgentSessions(rpc.AgentSessionServicer):
     has no coordinator: it refuses sessions and names the leader it knows of.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, gate: Gate | None = None) -> None:
+        self.gate = gate or Gate()
+        self.gate.reject = lambda verdict: self.reject(self._coordinator, verdict)
         self.lock = asyncio.Lock()
         self.election: LeaderElection | None = None
         self.collector: object | None = None
@@ -95,6 +102,8 @@ class AgentSessions(rpc.AgentSessionServicer):
     async def Session(  # noqa: N802 (gRPC method name)
         self, request_iterator: AsyncIterator[pb.AgentMessage], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ControllerMessage]:
+        identity = await self.gate.admit(context, "Session")
+        subject = identity.subject if identity.proof != "none" else ""
         coordinator = self._coordinator
         if coordinator is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, await self._leader_hint())
@@ -107,11 +116,19 @@ class AgentSessions(rpc.AgentSessionServicer):
             nonlocal agent_id
             try:
                 async for message in request_iterator:
+                    if isinstance(message, Malformed):
+                        verdict = authz.Verdict(False, f"not a valid {message.expected} message",
+                                                authz.Reason.MALFORMED)
+                        self.reject(coordinator, verdict)
+                        refused.append((grpc.StatusCode.INVALID_ARGUMENT, verdict.reason))
+                        return
                     kind = message.WhichOneof("kind")
                     if kind == "register" and agent_id is None:
                         reg = message.register
                         async with self.lock:
-                            verdict = authz.may_register(reg.agent_id, self._queues)
+                            known = coordinator.agents.get(reg.agent_id)
+                            verdict = authz.may_register(reg.agent_id, self._queues, subject,
+                                                         known.subject if known else None)
                             if not verdict.allowed:
                                 self.reject(coordinator, verdict)
                                 refused.append((grpc.StatusCode.PERMISSION_DENIED, verdict.reason))
@@ -122,7 +139,7 @@ class AgentSessions(rpc.AgentSessionServicer):
                             try:
                                 await coordinator.register_agent(
                                     reg.agent_id, reg.host, reg.slots,
-                                    list(reg.replica_ids) if reg.resume else None)
+                                    list(reg.replica_ids) if reg.resume else None, subject)
                             except RegistrationRefused as refusal:
                                 if self._queues.get(reg.agent_id) is queue:
                                     del self._queues[reg.agent_id]
@@ -170,11 +187,19 @@ class AgentSessions(rpc.AgentSessionServicer):
             return message.report.replica, message.report.WhichOneof("kind") or ""
         return -1, kind or ""
 
-    def reject(self, coordinator: Coordinator, verdict: authz.Verdict) -> None:
+    def reject(self, coordinator: Coordinator | None, verdict: authz.Verdict) -> None:
         """Count and log a refusal (never raise: a bad client must not hurt the job)."""
         code = verdict.code or authz.Reason.FORBIDDEN
-        coordinator.rejected[code] = coordinator.rejected.get(code, 0) + 1
-        coordinator.events.emit("rejected", f"{code}: {verdict.reason}", level=logging.WARNING)
+        if coordinator is None:  # a standby: no job to record it in
+            log.warning("rejected: %s: %s", code, verdict.reason)
+            return
+        count = coordinator.rejected[code] = coordinator.rejected.get(code, 0) + 1
+        # A flood of bad calls must not grow the event log without bound: the first few of
+        # each reason are events, then one in every REJECTED_EVENTS_EVERY (the metric counts all).
+        if count <= REJECTED_EVENTS_FIRST or count % REJECTED_EVENTS_EVERY == 0:
+            so_far = f" ({count} so far)" if count > REJECTED_EVENTS_FIRST else ""
+            coordinator.events.emit("rejected", f"{code}{so_far}: {verdict.reason}",
+                                    level=logging.WARNING)
 
     async def _dispatch(self, coordinator: Coordinator, agent_id: str, kind: str | None,
                         message: pb.AgentMessage) -> None:
@@ -220,6 +245,7 @@ class ControlService(rpc.ControlServicer):
 
     def __init__(self, sessions: AgentSessions) -> None:
         self._sessions = sessions
+        self._gate = sessions.gate
         self.election: LeaderElection | None = None
 
     async def _standby_status(self) -> pb.JobStatus:
@@ -245,6 +271,7 @@ class ControlService(rpc.ControlServicer):
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext  # noqa: N802
                      ) -> pb.JobStatus:
+        await self._gate.admit(context, "Status", request)
         coordinator = self._sessions.coordinator
         if coordinator is None:
             return await self._standby_status()
@@ -255,12 +282,45 @@ class ControlService(rpc.ControlServicer):
 
     async def Events(self, request: pb.EventsRequest, context: grpc.aio.ServicerContext  # noqa: N802
                      ) -> pb.EventList:
+        await self._gate.admit(context, "Events", request)
         coordinator = await self._leading(context)
         return pb.EventList(events=coordinator.events.since(request.after_seq))
 
     async def Report(self, request: pb.ReportRequest, context: grpc.aio.ServicerContext  # noqa: N802
                      ) -> pb.RunReport:
+        await self._gate.admit(context, "Report", request)
         return run_report(await self._leading(context))
+
+    async def Stop(self, request: pb.StopRequest, context: grpc.aio.ServicerContext  # noqa: N802
+                   ) -> pb.OperatorReply:
+        identity = await self._gate.admit(context, "Stop", request)
+        return await self._operate(context, lambda c: c.request_stop(identity.subject,
+                                                                     request.reason))
+
+    async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext  # noqa: N802
+                    ) -> pb.OperatorReply:
+        identity = await self._gate.admit(context, "Drain", request)
+        return await self._operate(context, lambda c: c.request_drain(
+            request.agent_id, identity.subject, request.reason))
+
+    async def SetSpares(self, request: pb.SparesRequest,  # noqa: N802
+                        context: grpc.aio.ServicerContext) -> pb.OperatorReply:
+        identity = await self._gate.admit(context, "SetSpares", request)
+        return await self._operate(context, lambda c: c.set_spares(request.spares,
+                                                                   identity.subject))
+
+    async def _operate(self, context: grpc.aio.ServicerContext,
+                       action: Callable[[Coordinator], Awaitable[Decision]]) -> pb.OperatorReply:
+        coordinator = await self._leading(context)
+        async with self._sessions.lock:  # one transition at a time, as for agents' reports
+            if coordinator is not self._sessions.coordinator:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "leadership changed; try again")
+            try:
+                decision = await action(coordinator)
+            except LostLeadership:
+                self._sessions.deposed.set()
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "leadership changed; try again")
+        return pb.OperatorReply(accepted=decision.accepted, reason=decision.reason)
 
 
 def run_report(c: Coordinator) -> pb.RunReport:

@@ -116,7 +116,8 @@ class Takeover:
         start over once their agents rejoin."""
         for record in persisted.agents:
             ids = list(record.replica_ids)
-            c.agents[record.agent_id] = AgentInfo(record.agent_id, record.host, ids, now, alive=False)
+            c.agents[record.agent_id] = AgentInfo(record.agent_id, record.host, ids, now,
+                                                  alive=False, subject=record.subject)
             for r in ids:
                 joining = view is not None and r not in members and r in record.join_addresses
                 if joining:
@@ -143,7 +144,9 @@ class Takeover:
         c.started_at = started or (c.steps[0].committed_at if c.steps else 0.0)
         if persisted.result is not None:
             self.expected = set()
-            c.state = JobState.SUCCEEDED if persisted.result.success else JobState.FAILED
+            result = persisted.result
+            c.state = (JobState(result.state) if result.state else
+                       JobState.SUCCEEDED if result.success else JobState.FAILED)
             c.reason = persisted.result.reason
             c.finished_at = c.steps[-1].committed_at if c.steps else now
             c.done.set()

@@ -157,7 +157,7 @@ class GenerationView(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., rendezvous: _Optional[str] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., rendezvous_prefix: _Optional[str] = ...) -> None: ...
 
 class Commit(_message.Message):
-    __slots__ = ("step", "generation", "next_plan", "final", "microbatches", "tokens", "record")
+    __slots__ = ("step", "generation", "next_plan", "final", "microbatches", "tokens", "record", "checkpoint_now")
     STEP_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     NEXT_PLAN_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +165,7 @@ class Commit(_message.Message):
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     RECORD_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_NOW_FIELD_NUMBER: _ClassVar[int]
     step: int
     generation: int
     next_plan: Plan
@@ -172,15 +173,18 @@ class Commit(_message.Message):
     microbatches: int
     tokens: int
     record: StepRecord
-    def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., next_plan: _Optional[_Union[Plan, _Mapping]] = ..., final: _Optional[bool] = ..., microbatches: _Optional[int] = ..., tokens: _Optional[int] = ..., record: _Optional[_Union[StepRecord, _Mapping]] = ...) -> None: ...
+    checkpoint_now: bool
+    def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., next_plan: _Optional[_Union[Plan, _Mapping]] = ..., final: _Optional[bool] = ..., microbatches: _Optional[int] = ..., tokens: _Optional[int] = ..., record: _Optional[_Union[StepRecord, _Mapping]] = ..., checkpoint_now: _Optional[bool] = ...) -> None: ...
 
 class Shutdown(_message.Message):
-    __slots__ = ("reason", "success")
+    __slots__ = ("reason", "success", "state")
     REASON_FIELD_NUMBER: _ClassVar[int]
     SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     reason: str
     success: bool
-    def __init__(self, reason: _Optional[str] = ..., success: _Optional[bool] = ...) -> None: ...
+    state: str
+    def __init__(self, reason: _Optional[str] = ..., success: _Optional[bool] = ..., state: _Optional[str] = ...) -> None: ...
 
 class WorkloadInfo(_message.Message):
     __slots__ = ("parameters", "gradient_buckets", "samples_per_microbatch", "determinism_sha256")
@@ -627,7 +631,7 @@ class LeaderRecord(_message.Message):
     def __init__(self, term: _Optional[int] = ..., address: _Optional[str] = ..., controller_id: _Optional[str] = ..., elected_at: _Optional[float] = ...) -> None: ...
 
 class AgentRecord(_message.Message):
-    __slots__ = ("agent_id", "host", "replica_ids", "join_addresses")
+    __slots__ = ("agent_id", "host", "replica_ids", "join_addresses", "subject")
     class JoinAddressesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -639,11 +643,13 @@ class AgentRecord(_message.Message):
     HOST_FIELD_NUMBER: _ClassVar[int]
     REPLICA_IDS_FIELD_NUMBER: _ClassVar[int]
     JOIN_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    SUBJECT_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     host: str
     replica_ids: _containers.RepeatedScalarFieldContainer[int]
     join_addresses: _containers.ScalarMap[int, str]
-    def __init__(self, agent_id: _Optional[str] = ..., host: _Optional[str] = ..., replica_ids: _Optional[_Iterable[int]] = ..., join_addresses: _Optional[_Mapping[int, str]] = ...) -> None: ...
+    subject: str
+    def __init__(self, agent_id: _Optional[str] = ..., host: _Optional[str] = ..., replica_ids: _Optional[_Iterable[int]] = ..., join_addresses: _Optional[_Mapping[int, str]] = ..., subject: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
@@ -824,3 +830,31 @@ class RunReport(_message.Message):
     recovery_timings: _containers.RepeatedCompositeFieldContainer[RecoveryTiming]
     workload: WorkloadInfo
     def __init__(self, job: _Optional[_Union[JobConfig, _Mapping]] = ..., status: _Optional[_Union[JobStatus, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepRecord, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[FailureRecord, _Mapping]]] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., recovery_timings: _Optional[_Iterable[_Union[RecoveryTiming, _Mapping]]] = ..., workload: _Optional[_Union[WorkloadInfo, _Mapping]] = ...) -> None: ...
+
+class StopRequest(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("agent_id", "reason")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    reason: str
+    def __init__(self, agent_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class SparesRequest(_message.Message):
+    __slots__ = ("spares",)
+    SPARES_FIELD_NUMBER: _ClassVar[int]
+    spares: int
+    def __init__(self, spares: _Optional[int] = ...) -> None: ...
+
+class OperatorReply(_message.Message):
+    __slots__ = ("accepted", "reason")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: str
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...

@@ -281,13 +281,29 @@ class ControlStub:
                 request_serializer=recover_dot_proto_dot_recover__pb2.ReportRequest.SerializeToString,
                 response_deserializer=recover_dot_proto_dot_recover__pb2.RunReport.FromString,
                 _registered_method=True)
+        self.Stop = channel.unary_unary(
+                '/recover.v1.Control/Stop',
+                request_serializer=recover_dot_proto_dot_recover__pb2.StopRequest.SerializeToString,
+                response_deserializer=recover_dot_proto_dot_recover__pb2.OperatorReply.FromString,
+                _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/recover.v1.Control/Drain',
+                request_serializer=recover_dot_proto_dot_recover__pb2.DrainRequest.SerializeToString,
+                response_deserializer=recover_dot_proto_dot_recover__pb2.OperatorReply.FromString,
+                _registered_method=True)
+        self.SetSpares = channel.unary_unary(
+                '/recover.v1.Control/SetSpares',
+                request_serializer=recover_dot_proto_dot_recover__pb2.SparesRequest.SerializeToString,
+                response_deserializer=recover_dot_proto_dot_recover__pb2.OperatorReply.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Status(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Readers (and operators):
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -299,6 +315,25 @@ class ControlServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Report(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Stop(self, request, context):
+        """Operators only:
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetSpares(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -321,6 +356,21 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Report,
                     request_deserializer=recover_dot_proto_dot_recover__pb2.ReportRequest.FromString,
                     response_serializer=recover_dot_proto_dot_recover__pb2.RunReport.SerializeToString,
+            ),
+            'Stop': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stop,
+                    request_deserializer=recover_dot_proto_dot_recover__pb2.StopRequest.FromString,
+                    response_serializer=recover_dot_proto_dot_recover__pb2.OperatorReply.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=recover_dot_proto_dot_recover__pb2.DrainRequest.FromString,
+                    response_serializer=recover_dot_proto_dot_recover__pb2.OperatorReply.SerializeToString,
+            ),
+            'SetSpares': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetSpares,
+                    request_deserializer=recover_dot_proto_dot_recover__pb2.SparesRequest.FromString,
+                    response_serializer=recover_dot_proto_dot_recover__pb2.OperatorReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -404,6 +454,87 @@ class Control:
             '/recover.v1.Control/Report',
             recover_dot_proto_dot_recover__pb2.ReportRequest.SerializeToString,
             recover_dot_proto_dot_recover__pb2.RunReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stop(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/recover.v1.Control/Stop',
+            recover_dot_proto_dot_recover__pb2.StopRequest.SerializeToString,
+            recover_dot_proto_dot_recover__pb2.OperatorReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/recover.v1.Control/Drain',
+            recover_dot_proto_dot_recover__pb2.DrainRequest.SerializeToString,
+            recover_dot_proto_dot_recover__pb2.OperatorReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetSpares(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/recover.v1.Control/SetSpares',
+            recover_dot_proto_dot_recover__pb2.SparesRequest.SerializeToString,
+            recover_dot_proto_dot_recover__pb2.OperatorReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -52,12 +52,19 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
 
     def maybe_write(self, next_step: int, state: Callable[[], dict[str, Any]],
-                    ledger: list[pb.StepRecord]) -> None:
+                    ledger: list[pb.StepRecord], force: bool = False) -> None:
+        """`force`: the job stops after this step; write it whatever the schedule (after the
+        write in progress, if any)."""
         now = time.monotonic()
-        if not checkpoint_due(next_step, every_steps=self.config.every_steps,
-                              every_s=self.config.every_s, last_step=self._last_step,
-                              last_at=self._last_at, now=now):
+        if not force and not checkpoint_due(next_step, every_steps=self.config.every_steps,
+                                            every_s=self.config.every_s,
+                                            last_step=self._last_step, last_at=self._last_at,
+                                            now=now):
             return
+        if force and self._thread is not None:
+            self._thread.join()
+        if force and next_step == self._last_step:
+            return  # the schedule wrote this very step already
         if self._thread is not None and self._thread.is_alive():
             log.warning("checkpoint of step %d skipped: the previous one is still being written",
                         next_step)

@@ -286,12 +286,13 @@ class StepExecutor(JoinSteps):
         self._apply(s.reduced.grads, pb.CatchUpStep(
             step=s.step, loss=s.reduced.loss, generation=self.generation,
             microbatches=commit.microbatches or self.job.global_microbatches, tokens=commit.tokens,
-            record=commit.record), commit_wait)
+            record=commit.record), commit_wait, checkpoint_now=commit.checkpoint_now)
         self.finished = commit.final
         if commit.HasField("next_plan"):
             self._adopt_plan(commit.next_plan)
 
-    def _apply(self, means: list, step: pb.CatchUpStep, commit_wait: float | None) -> None:
+    def _apply(self, means: list, step: pb.CatchUpStep, commit_wait: float | None,
+               checkpoint_now: bool = False) -> None:
         """Apply a committed step: as a member (`commit_wait` set), or catching up as a joiner."""
         lr, norm = self.workload.apply(self.grads, means)
         self.accumulator.observe_committed(means)
@@ -313,7 +314,7 @@ class StepExecutor(JoinSteps):
         self.state = StepState(step=step.step + 1)
         if first and self.checkpoints is not None:
             self.checkpoints.maybe_write(step.step + 1, lambda: self.training_state(False),
-                                         self.ledger)
+                                         self.ledger, force=checkpoint_now)
         if self.workload.on_step_committed is not None:
             call_user("on_step_committed", self.workload.on_step_committed, StepInfo(
                 step=step.step, loss=step.loss, lr=lr, grad_norm=norm,

@@ -4,18 +4,50 @@ from __future__ import annotations
 
 import pytest
 
-from recover.controller.authz import Reason, may_register, may_report
+from recover.common.security import ALL_ROLES, ANONYMOUS, Identity, Role
+from recover.controller.authz import Reason, may_call, may_register, may_report
 
 
-@pytest.mark.parametrize("agent_id, live, allowed, code, reason", [
-    ("host1", {"host0"}, True, None, "allowed"),
-    ("host0", {"host0", "host1"}, False, Reason.IMPOSTOR, "'host0' has a live session"),
-    ("host0", set(), True, None, "allowed"),  # the same id after its session ended: a rejoin
+@pytest.mark.parametrize("agent_id, live, subject, bound, allowed, code, reason", [
+    ("host1", {"host0"}, "", None, True, None, "allowed"),
+    ("host0", {"host0", "host1"}, "", None, False, Reason.IMPOSTOR, "'host0' has a live session"),
+    ("host0", set(), "", "", True, None, "allowed"),  # its session ended: a rejoin
+    ("host0", set(), "host0", "host0", True, None, "allowed"),  # rejoin with its certificate
+    ("host0", set(), "mallory", "host0", False, Reason.IMPOSTOR,
+     "'host0' belongs to host0, not mallory"),
+    ("host0", set(), "", "host0", False, Reason.IMPOSTOR, "not an anonymous caller"),
+    ("host2", set(), "host0", None, True, None, "allowed"),  # one identity, several agent ids
 ])
-def test_may_register(agent_id, live, allowed, code, reason):
-    verdict = may_register(agent_id, live)
+def test_may_register(agent_id, live, subject, bound, allowed, code, reason):
+    verdict = may_register(agent_id, live, subject, bound)
     assert (verdict.allowed, verdict.code) == (allowed, code)
     assert reason in verdict.reason
+
+
+def who(*roles: Role) -> Identity:
+    return Identity("alice", frozenset(roles), "certificate")
+
+
+@pytest.mark.parametrize("method, identity, allowed, reason", [
+    ("Session", who(Role.AGENT), True, "allowed"),
+    ("Session", who(Role.OPERATOR), False, "alice (operator) may not call Session: it needs agent"),
+    ("Status", who(Role.READER), True, "allowed"),
+    ("Status", who(Role.AGENT), True, "allowed"),
+    ("Events", who(Role.AGENT), False, "needs controller or operator or reader"),
+    ("Report", who(Role.CONTROLLER), True, "allowed"),
+    ("Stop", who(Role.READER), False, "alice (reader) may not call Stop: it needs operator"),
+    ("Stop", who(Role.OPERATOR), True, "allowed"),
+    ("Drain", who(Role.READER, Role.AGENT), False, "(agent, reader)"),
+    ("SetSpares", ANONYMOUS, True, "allowed"),  # plaintext: authorization by session only
+    ("Unknown", Identity("x", ALL_ROLES, "token"), False, "needs nobody"),
+    ("Status", who(), False, "alice (no role)"),
+])
+def test_may_call(method, identity, allowed, reason):
+    verdict = may_call(method, identity)
+    assert verdict.allowed is allowed
+    assert reason in verdict.reason
+    if not allowed:
+        assert verdict.code is Reason.FORBIDDEN
 
 
 @pytest.mark.parametrize("kind, replica, hosted, allowed, reason", [

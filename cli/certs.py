@@ -1,0 +1,160 @@
+"""`recover certs`: a certificate authority and per-component certificates for a cluster.
+
+    recover certs init DIR                       # DIR/ca.pem, DIR/ca-key.pem
+    recover certs issue DIR controller --role controller --host ctl.example --host 10.0.0.5
+    recover certs issue DIR host0 --role agent   # DIR/host0.pem, DIR/host0-key.pem
+    recover certs issue DIR alice --role operator
+    recover certs token --role reader --subject grafana   # a line for a --token-file
+
+The `cryptography` library does the work (EC P-256 keys, SHA-256 signatures). A
+certificate's organizational units carry its roles (common/security.py); its common
+name is the identity an agent is bound to. Private keys are written 0600 and never
+overwritten.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import ipaddress
+import os
+import re
+import secrets
+from pathlib import Path
+
+from recover.cli.jobargs import UsageError
+from recover.common.security import Role
+
+DEFAULT_DAYS = 365
+CA_CERT, CA_KEY = "ca.pem", "ca-key.pem"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    certs = sub.add_parser("certs", help="make a CA, certificates and tokens for a cluster")
+    verbs = certs.add_subparsers(dest="certs_command", required=True)
+    init = verbs.add_parser("init", help="create a certificate authority in DIR")
+    init.add_argument("dir")
+    init.add_argument("--name", default="ReCoVer CA", help="the CA's common name")
+    init.add_argument("--days", type=int, default=3650, help="validity (default 3650)")
+    issue = verbs.add_parser("issue", help="issue a certificate signed by DIR's CA")
+    issue.add_argument("dir")
+    issue.add_argument("name", help="common name: the identity (an agent id, a user)")
+    issue.add_argument("--role", action="append", choices=[str(r) for r in Role], required=True,
+                       help="a role it holds (repeatable)")
+    issue.add_argument("--host", action="append", default=[],
+                       help="a DNS name or IP address it serves on (controllers; repeatable; "
+                            "default localhost and 127.0.0.1)")
+    issue.add_argument("--days", type=int, default=DEFAULT_DAYS,
+                       help=f"validity (default {DEFAULT_DAYS})")
+    token = verbs.add_parser("token", help="print a new bearer token line for a --token-file")
+    token.add_argument("--role", action="append", choices=[str(r) for r in Role], default=[],
+                       help="a role it grants (repeatable; default: every role)")
+    token.add_argument("--subject", default="", help="who holds it (shown in events)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.certs_command == "token":
+        roles = ",".join(args.role) if args.role else ",".join(Role)
+        print(f"{secrets.token_urlsafe(32)} {roles} {args.subject or 'token'}")
+        return 0
+    if args.days < 1:
+        raise UsageError(f"recover certs: --days must be at least 1, got {args.days}")
+    folder = Path(args.dir)
+    if args.certs_command == "issue" and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", args.name):
+        raise UsageError(f"recover certs: {args.name!r} is not a name for a certificate (letters, "
+                         "digits, '.', '_' and '-')")
+    if args.certs_command == "init":
+        cert, key = init_ca(folder, args.name, args.days)
+        print(f"recover certs: created the CA {cert} (key {key}: keep it off the cluster)")
+        return 0
+    hosts = args.host or (["localhost", "127.0.0.1"] if "controller" in args.role else [])
+    cert, key = issue(folder, args.name, [Role(r) for r in args.role], hosts, args.days)
+    print(f"recover certs: issued {cert} and {key} for {args.name} "
+          f"(roles {', '.join(args.role)}{'; hosts ' + ', '.join(hosts) if hosts else ''})")
+    return 0
+
+
+def _write_new(path: Path, data: bytes, private: bool) -> None:
+    if path.exists():
+        raise UsageError(f"recover certs: {path} exists; not overwriting it")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    fd = os.open(path, flags, 0o600 if private else 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def init_ca(folder: Path, name: str, days: int) -> tuple[Path, Path]:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    folder.mkdir(parents=True, exist_ok=True)
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=days))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                         content_commitment=False, key_encipherment=False,
+                                         data_encipherment=False, key_agreement=False,
+                                         encipher_only=False, decipher_only=False), critical=True)
+            .sign(key, hashes.SHA256()))
+    key_path, cert_path = folder / CA_KEY, folder / CA_CERT
+    _write_new(key_path, key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()), private=True)
+    _write_new(cert_path, cert.public_bytes(serialization.Encoding.PEM), private=False)
+    return cert_path, key_path
+
+
+def issue(folder: Path, name: str, roles: list[Role], hosts: list[str], days: int, *,
+          not_before: datetime.datetime | None = None,
+          not_after: datetime.datetime | None = None) -> tuple[Path, Path]:
+    """A certificate for `name` signed by the CA in `folder`; usable as a server certificate
+    for `hosts` and as a client certificate. (`not_before`/`not_after`: for tests of
+    certificates not yet or no longer valid.)"""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    try:
+        ca_key = serialization.load_pem_private_key((folder / CA_KEY).read_bytes(), None)
+        ca_cert = x509.load_pem_x509_certificate((folder / CA_CERT).read_bytes())
+    except FileNotFoundError:
+        raise UsageError(f"recover certs: no CA in {folder} (run `recover certs init "
+                         f"{folder}` first)") from None
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise UsageError(f"recover certs: {folder / CA_KEY} is not a key `recover certs init` made")
+    names: list[x509.GeneralName] = []
+    for host in hosts:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            names.append(x509.DNSName(host))
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name),
+                         *(x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, str(r))
+                           for r in roles)])
+    builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(ca_cert.subject)
+               .public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(not_before or now - datetime.timedelta(minutes=5))
+               .not_valid_after(not_after or now + datetime.timedelta(days=days))
+               .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+               .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                     ExtendedKeyUsageOID.CLIENT_AUTH]),
+                              critical=False))
+    if names:
+        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+    cert = builder.sign(ca_key, hashes.SHA256())
+    cert_path, key_path = folder / f"{name}.pem", folder / f"{name}-key.pem"
+    _write_new(key_path, key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()), private=True)
+    _write_new(cert_path, cert.public_bytes(serialization.Encoding.PEM), private=False)
+    return cert_path, key_path

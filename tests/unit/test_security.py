@@ -1,0 +1,128 @@
+"""Credentials (common/security.py) and certificates (cli/certs.py): tokens, identities from
+certificates, unusable settings named before anything starts."""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+import pytest
+
+from recover.cli.certs import init_ca, issue
+from recover.cli.jobargs import UsageError
+from recover.common.security import (
+    ALL_ROLES,
+    ANONYMOUS,
+    Authenticator,
+    Role,
+    Security,
+    SecurityError,
+    certificate_identity,
+    from_values,
+    match_token,
+    read_tokens,
+)
+
+
+@pytest.fixture(scope="module")
+def ca(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("ca")
+    init_ca(folder, "test CA", 30)
+    issue(folder, "controller", [Role.CONTROLLER], ["127.0.0.1"], 30)
+    issue(folder, "host0", [Role.AGENT], [], 30)
+    issue(folder, "alice", [Role.READER, Role.OPERATOR], [], 30)
+    return folder
+
+
+def test_tokens_parse_with_roles_and_subjects_and_match_in_constant_time(tmp_path: Path) -> None:
+    path = tmp_path / "tokens"
+    path.write_text("# tokens of the cluster\nsecret-a agent host0\n\nsecret-b reader,operator\n"
+                    "secret-c   # every role\n")
+    tokens = read_tokens(str(path))
+    assert [(t.roles, t.subject) for t in tokens] == [
+        (frozenset({Role.AGENT}), "host0"), (frozenset({Role.READER, Role.OPERATOR}), "token-4"),
+        (ALL_ROLES, "token-5")]
+    assert match_token("secret-b", tokens) is tokens[1]
+    assert match_token("secret-", tokens) is None and match_token("", tokens) is None
+    path.write_text("secret-a admin\n")
+    with pytest.raises(SecurityError, match="unknown role in 'admin'"):
+        read_tokens(str(path))
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(cert="c.pem"), "needs its key"),
+    (dict(key="k.pem"), "needs its key"),
+    (dict(ca="missing.pem"), "--tls-ca 'missing.pem' is not a readable file"),
+    (dict(token_file="empty"), "holds no token"),
+    (dict(ca="garbage"), "is not a PEM certificate"),
+])
+def test_unusable_settings_are_named(tmp_path: Path, monkeypatch, settings, message) -> None:
+    monkeypatch.chdir(tmp_path)
+    Path("empty").write_text("# nothing\n")
+    Path("garbage").write_text("not a certificate\n")
+    with pytest.raises(SecurityError, match=message):
+        Security(**settings).check("recover agent")
+
+
+def test_an_expired_certificate_is_refused_before_anything_starts(ca: Path) -> None:
+    past = datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=2)
+    cert, key = issue(ca, "old", [Role.AGENT], [], 1, not_before=past,
+                      not_after=past + datetime.timedelta(days=1))
+    with pytest.raises(SecurityError, match="expired on"):
+        Security(cert=str(cert), key=str(key), ca=str(ca / "ca.pem")).check("recover agent")
+
+
+def test_options_fall_back_to_the_environment() -> None:
+    env = {"RECOVER_TLS_CA": "/etc/recover/ca.pem", "RECOVER_TOKEN_FILE": "/run/token"}
+    security = from_values(ca=None, token_file="/mine", environ=env)
+    assert security == Security(ca="/etc/recover/ca.pem", token_file="/mine")
+    assert security.describe() == "TLS + bearer token" and security.enabled
+    assert not from_values(environ={}).enabled
+
+
+def test_a_certificate_names_its_holder_and_roles(ca: Path) -> None:
+    assert certificate_identity((ca / "alice.pem").read_bytes()) == (
+        "alice", frozenset({Role.READER, Role.OPERATOR}))
+    assert certificate_identity((ca / "host0.pem").read_bytes()) == ("host0", {Role.AGENT})
+
+
+def test_certs_never_overwrite_and_need_a_ca(ca: Path, tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="exists; not overwriting"):
+        issue(ca, "host0", [Role.AGENT], [], 30)
+    with pytest.raises(UsageError, match="no CA in"):
+        issue(tmp_path, "x", [Role.AGENT], [], 30)
+    assert (ca / "host0-key.pem").stat().st_mode & 0o077 == 0  # a private key stays private
+
+
+def test_identify_by_certificate_token_or_both(ca: Path, tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("tok-agent agent host0\ntok-reader reader grafana\n")
+    alice = (ca / "alice.pem").read_bytes()
+    with_cert = {"x509_pem_cert": [alice]}
+    bearer = [("authorization", "Bearer tok-reader")]
+
+    plain = Authenticator(Security())
+    assert plain.identify({}, []) is ANONYMOUS
+
+    mtls = Authenticator(Security(cert=str(ca / "controller.pem"),
+                                  key=str(ca / "controller-key.pem"), ca=str(ca / "ca.pem")))
+    identity = mtls.identify(with_cert, [])
+    assert not isinstance(identity, str)
+    assert (identity.subject, identity.roles, identity.proof) == (
+        "alice", {Role.READER, Role.OPERATOR}, "certificate")
+    assert "no client certificate" in str(mtls.identify({}, []))
+
+    by_token = Authenticator(Security(token_file=str(tokens)))
+    identity = by_token.identify({}, bearer)
+    assert not isinstance(identity, str) and identity.subject == "grafana"
+    assert "no bearer token" in str(by_token.identify({}, []))
+    assert "not one this controller accepts" in str(
+        by_token.identify({}, [("authorization", "Bearer tok-")]))
+
+    both = Authenticator(Security(cert=str(ca / "controller.pem"),
+                                  key=str(ca / "controller-key.pem"), ca=str(ca / "ca.pem"),
+                                  token_file=str(tokens)))
+    identity = both.identify(with_cert, bearer)  # each credential limits: reader only
+    assert not isinstance(identity, str)
+    assert (identity.subject, identity.roles, identity.proof) == (
+        "alice", {Role.READER}, "certificate+token")
