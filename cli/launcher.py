@@ -183,9 +183,10 @@ def run_local(args: argparse.Namespace) -> int:
     check_store(args.store, "recover run", args.store_timeout)
     if args.controllers < 1:
         raise UsageError(f"recover run: --controllers must be at least 1, got {args.controllers}")
-    if args.controllers > 1 and not args.store.startswith("etcd://"):
+    if args.controllers > 1 and not args.store.startswith(("etcd://", "etcds://")):
         raise UsageError(f"recover run: --controllers {args.controllers} needs a shared store "
-                         "(--store etcd://HOST:PORT); the memory store lives in one controller")
+                         "(--store etcd://HOST:PORT or etcds://...); "
+                         "the memory store lives in one controller")
     agents = args.agents if args.agents is not None else min(2, job_config.replicas)
     if not 1 <= agents <= job_config.replicas:
         raise UsageError(f"--agents must be between 1 and --replicas ({job_config.replicas})")

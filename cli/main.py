@@ -64,7 +64,8 @@ def build_parser() -> Parser:
     run.add_argument("--out", default="runs/latest", help="where summary.json and logs go")
     run.add_argument("--quiet", action="store_true", help="no live progress display")
     run.add_argument("--store", default="memory://",
-                     help="controller state store: memory:// (default) or etcd://HOST:PORT[,...]")
+                     help="controller state store: memory:// (default), etcd://HOST:PORT[,...] or "
+                          "etcds://HOST:PORT[,...]?ca=F&cert=F&key=F&user=U&password_file=F")
     run.add_argument("--store-timeout", type=positive_seconds, default=10.0,
                      help="seconds the store gets to answer before the run gives up (default 10)")
     bench.add_run_mode_arguments(run)
@@ -91,7 +92,8 @@ def build_parser() -> Parser:
     ctl.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
     ctl.add_argument("--port-file", default=None, help="write the chosen port here")
     ctl.add_argument("--store", default="memory://",
-                     help="state store: memory:// (default) or etcd://HOST:PORT[,HOST:PORT...]")
+                     help="state store: memory:// (default), etcd://HOST:PORT[,HOST:PORT...] or "
+                          "etcds://... (TLS; see recover controller --help)")
     ctl.add_argument("--store-timeout", type=positive_seconds, default=10.0,
                      help="seconds the store gets to answer at start before giving up (default 10)")
     ctl.add_argument("--metrics-port", type=int, default=None,

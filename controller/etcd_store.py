@@ -15,10 +15,15 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import aetcd
 import aetcd.exceptions
+import aetcd.rpc
+import aetcd.watcher
+import grpc
 
 from recover.controller.store import Compare, KeyChange, Store, StoreError, Write
 
@@ -31,7 +36,6 @@ CANCEL_WATCH_S = 0.5
 
 PERMANENT = (
     aetcd.exceptions.InvalidArgumentError,
-    aetcd.exceptions.UnauthenticatedError,
     aetcd.exceptions.PreconditionFailedError,
 )
 """Errors no retry can clear: raised, not retried."""
@@ -45,11 +49,13 @@ RETRYABLE = (
 
 
 def parse_etcd_url(url: str) -> list[tuple[str, int]]:
-    """`etcd://HOST:PORT[,HOST:PORT...]` -> [(host, port), ...]; ValueError with the reason."""
-    if not url.startswith("etcd://"):
-        raise ValueError(f"store URL {url!r} must start with etcd://")
+    """`etcd[s]://HOST:PORT[,HOST:PORT...][?...]` -> [(host, port), ...]; ValueError with the
+    reason."""
+    scheme, sep, rest = url.partition("://")
+    if scheme not in ("etcd", "etcds") or not sep:
+        raise ValueError(f"store URL {url!r} must start with etcd:// or etcds://")
     endpoints = []
-    for part in url[len("etcd://"):].rstrip("/").split(","):
+    for part in rest.split("?", 1)[0].rstrip("/").split(","):
         host, sep, port = part.strip().rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"store URL {url!r}: {part!r} is not HOST:PORT")
@@ -57,32 +63,137 @@ def parse_etcd_url(url: str) -> list[tuple[str, int]]:
     return endpoints
 
 
+@dataclass(frozen=True)
+class EtcdAccess:
+    """TLS and credentials for etcd, from an `etcds://` URL's query
+    (`?ca=FILE&cert=FILE&key=FILE&user=NAME&password_file=FILE`)."""
+
+    tls: bool = False
+    """etcds://: the members serve TLS (verified against `ca`, or the system's CAs)."""
+    ca: str = ""
+    """PEM CA certificate the members' certificates are signed by."""
+    cert: str = ""
+    """PEM client certificate (etcd --client-cert-auth; with etcd auth on, its CN is the user)."""
+    key: str = ""
+    """PEM key of `cert`."""
+    user: str = ""
+    """etcd user (etcd auth), with its password in `password_file`."""
+    password_file: str = ""
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        def read(path: str) -> bytes | None:
+            return Path(path).read_bytes() if path else None
+
+        return grpc.ssl_channel_credentials(read(self.ca), read(self.key), read(self.cert))
+
+    def password(self) -> str | None:
+        if not self.user:
+            return None
+        return Path(self.password_file).read_text().strip() if self.password_file else ""
+
+
+ACCESS_KEYS = ("ca", "cert", "key", "user", "password_file")
+
+
+def parse_etcd_access(url: str) -> EtcdAccess:
+    """The TLS and credentials an etcd URL asks for; ValueError naming what is wrong."""
+    scheme, _, rest = url.partition("://")
+    _, _, query = rest.partition("?")
+    values: dict[str, str] = {}
+    for item in filter(None, query.split("&")):
+        name, eq, value = item.partition("=")
+        if name not in ACCESS_KEYS or not eq or not value:
+            raise ValueError(f"store URL {url!r}: {item!r} is not one of "
+                             f"{', '.join(k + '=...' for k in ACCESS_KEYS)}")
+        values[name] = value
+    access = EtcdAccess(tls=scheme == "etcds", **values)
+    if (access.ca or access.cert) and not access.tls:
+        raise ValueError(f"store URL {url!r}: certificates go with etcds:// (TLS)")
+    if bool(access.cert) != bool(access.key):
+        raise ValueError(f"store URL {url!r}: cert= and key= go together")
+    if access.password_file and not access.user:
+        raise ValueError(f"store URL {url!r}: password_file= needs user=")
+    for name in ("ca", "cert", "key", "password_file"):
+        path = getattr(access, name)
+        if path and not Path(path).is_file():
+            raise ValueError(f"store URL {url!r}: {name}={path} is not a readable file")
+    return access
+
+
+class _Client(aetcd.Client):
+    """aetcd's client, over TLS when asked (aetcd itself dials plaintext only)."""
+
+    def __init__(self, access: EtcdAccess, **kwargs: object) -> None:
+        super().__init__(username=access.user or None, password=access.password(),
+                         **kwargs)  # type: ignore[arg-type]
+        self._access = access
+
+    async def connect(self) -> None:
+        if not self._access.tls or self._connected.is_set() or self._is_connecting:
+            await super().connect()
+            return
+        # aetcd's connect with a secure channel; the rest as it builds it.
+        self._is_connecting = True
+        try:
+            self.channel = grpc.aio.secure_channel(f"{self._host}:{self._port}",
+                                                   self._access.channel_credentials(),
+                                                   options=list(self._options.items()))
+            if self._username is not None:
+                self.auth_stub = aetcd.rpc.AuthStub(self.channel)
+                reply = await self.auth_stub.Authenticate(aetcd.rpc.AuthenticateRequest(
+                    name=self._username, password=self._password), timeout=self._timeout)
+                self.metadata = (("token", reply.token),)
+            self.kvstub = aetcd.rpc.KVStub(self.channel)
+            self.clusterstub = aetcd.rpc.ClusterStub(self.channel)
+            self.leasestub = aetcd.rpc.LeaseStub(self.channel)
+            self.maintenancestub = aetcd.rpc.MaintenanceStub(self.channel)
+            self._watcher = aetcd.watcher.Watcher(aetcd.rpc.WatchStub(self.channel),
+                                                  timeout=self._timeout, metadata=self.metadata)
+            self._connected.set()
+        finally:
+            self._is_connecting = False
+
+
 class EtcdStore(Store):
     def __init__(self, endpoints: list[tuple[str, int]], *, retry_s: float = 10.0,
-                 op_timeout_s: float = 2.0) -> None:
+                 op_timeout_s: float = 2.0, access: EtcdAccess = EtcdAccess()) -> None:
         if not endpoints:
             raise ValueError("an etcd store needs at least one endpoint")
         self.endpoints = endpoints
         self._retry_s = retry_s
+        self._access = access
         # aetcd dials f"{host}:{port}": splitting a multi-address target at its
         # last colon makes it dial every member through one channel.
         target = "ipv4:" + ",".join(f"{h}:{p}" for h, p in endpoints)
         host, _, port = target.rpartition(":")
-        self._client = aetcd.Client(host=host, port=int(port), timeout=op_timeout_s,
-                                    options={"grpc.initial_reconnect_backoff_ms": 100,
-                                             "grpc.max_reconnect_backoff_ms": 1000})
+        options: dict[str, object] = {"grpc.initial_reconnect_backoff_ms": 100,
+                                      "grpc.max_reconnect_backoff_ms": 1000}
+        if access.tls and len(endpoints) == 1:
+            # A certificate names its member's address; the multi-address target has none.
+            options["grpc.ssl_target_name_override"] = endpoints[0][0]
+        self._client = _Client(access, host=host, port=int(port), timeout=op_timeout_s,
+                               options=options)
         self._closed = False
 
     @property
     def description(self) -> str:
-        return "etcd://" + ",".join(f"{h}:{p}" for h, p in self.endpoints)
+        return ("etcds://" if self._access.tls else "etcd://") + ",".join(
+            f"{h}:{p}" for h, p in self.endpoints)
 
     async def _retry(self, what: str, operation: Callable[[], Awaitable[T]]) -> T:
         deadline = time.monotonic() + self._retry_s
         delay = 0.05
+        reauthenticated = False
         while True:
             try:
                 return await operation()
+            except aetcd.exceptions.UnauthenticatedError as exc:
+                # etcd's auth tokens expire (--auth-token-ttl): authenticate again, once.
+                if not self._access.user or reauthenticated:
+                    raise StoreError(f"etcd at {self.description} refused to {what}: "
+                                     f"{exc}") from None
+                await self._client.close()
+                reauthenticated = True
             except RETRYABLE as exc:
                 if time.monotonic() >= deadline:
                     raise StoreError(f"etcd at {self.description} failed to {what} for "
@@ -162,6 +273,7 @@ class EtcdStore(Store):
 
     async def _changes_after(self, key: str, revision: int) -> AsyncIterator[KeyChange]:
         delay = 0.05
+        refused = False
         while not self._closed:  # aetcd would reconnect a closed client to serve us
             try:
                 # From the revision after the last one seen: a watch re-created after
@@ -169,7 +281,7 @@ class EtcdStore(Store):
                 watch = await self._client.watch(key.encode(), start_revision=revision + 1)
                 try:
                     async for event in watch:
-                        revision, delay = int(event.kv.mod_revision), 0.05
+                        revision, delay, refused = int(event.kv.mod_revision), 0.05, False
                         yield KeyChange(revision, None if event.kind == "DELETE"
                                         else bytes(event.kv.value))
                 finally:
@@ -179,6 +291,12 @@ class EtcdStore(Store):
                 current = await self._read(key)
                 revision = current.revision
                 yield current
+            except aetcd.exceptions.UnauthenticatedError as exc:
+                if not self._access.user or refused:  # a token that expired gets one renewal
+                    raise StoreError(f"etcd at {self.description} refused a watch of {key}: "
+                                     f"{exc}") from None
+                refused = True
+                await self._client.close()
             except PERMANENT as exc:
                 raise StoreError(f"etcd at {self.description} refused a watch of {key}: "
                                  f"{type(exc).__name__}: {exc}") from None

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -27,12 +28,34 @@ def require_etcd() -> str:
     return ETCD
 
 
+@dataclass(frozen=True)
+class TLSFiles:
+    """A CA, the members' server certificate (for 127.0.0.1) and a client certificate."""
+
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+
+
+def make_tls(folder: Path) -> TLSFiles:
+    from recover.cli.certs import init_ca, issue
+    from recover.common.security import Role
+
+    init_ca(folder, "etcd test CA", 2)
+    server, server_key = issue(folder, "etcd", [Role.CONTROLLER], ["127.0.0.1", "localhost"], 2)
+    client, client_key = issue(folder, "recover", [Role.CONTROLLER], [], 2)
+    return TLSFiles(folder / "ca.pem", server, server_key, client, client_key)
+
+
 class EtcdCluster:
     """n members, each with its own data directory; started, stopped and restarted for real."""
 
-    def __init__(self, root: Path, members: int = 1) -> None:
+    def __init__(self, root: Path, members: int = 1, tls: TLSFiles | None = None) -> None:
         self.binary = require_etcd()
         self.root = root
+        self.tls = tls
         self.names = [f"m{i}" for i in range(members)]
         self.client_ports = [free_port() for _ in self.names]
         self.peer_ports = [free_port() for _ in self.names]
@@ -41,7 +64,11 @@ class EtcdCluster:
 
     @property
     def url(self) -> str:
-        return "etcd://" + ",".join(f"127.0.0.1:{p}" for p in self.client_ports)
+        members = ",".join(f"127.0.0.1:{p}" for p in self.client_ports)
+        if self.tls is None:
+            return "etcd://" + members
+        return (f"etcds://{members}?ca={self.tls.ca}&cert={self.tls.client_cert}"
+                f"&key={self.tls.client_key}")
 
     def endpoints(self) -> list[tuple[str, int]]:
         return [("127.0.0.1", p) for p in self.client_ports]
@@ -49,10 +76,14 @@ class EtcdCluster:
     def _argv(self, i: int) -> list[str]:
         cluster = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in zip(self.names, self.peer_ports,
                                                                         strict=True))
+        scheme = "http" if self.tls is None else "https"
+        tls = [] if self.tls is None else [
+            "--cert-file", str(self.tls.server_cert), "--key-file", str(self.tls.server_key),
+            "--trusted-ca-file", str(self.tls.ca), "--client-cert-auth"]
         return [
             self.binary, "--name", self.names[i], "--data-dir", str(self.root / self.names[i]),
-            "--listen-client-urls", f"http://127.0.0.1:{self.client_ports[i]}",
-            "--advertise-client-urls", f"http://127.0.0.1:{self.client_ports[i]}",
+            "--listen-client-urls", f"{scheme}://127.0.0.1:{self.client_ports[i]}",
+            "--advertise-client-urls", f"{scheme}://127.0.0.1:{self.client_ports[i]}", *tls,
             "--listen-peer-urls", f"http://127.0.0.1:{self.peer_ports[i]}",
             "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_ports[i]}",
             "--initial-cluster", cluster, "--initial-cluster-state", "new",
@@ -78,10 +109,15 @@ class EtcdCluster:
         deadline = time.monotonic() + timeout_s
         for i in members if members is not None else range(len(self.names)):
             url = f"http://127.0.0.1:{self.client_ports[i]}/health"
+            probe = "import ssl,urllib.request;c=None;"
+            if self.tls is not None:
+                url = url.replace("http:", "https:")
+                probe += (f"c=ssl.create_default_context(cafile='{self.tls.ca}');"
+                          f"c.load_cert_chain('{self.tls.client_cert}','{self.tls.client_key}');")
+            probe += f"print(urllib.request.urlopen('{url}',timeout=1,context=c).read())"
             while True:
                 try:
-                    out = subprocess.run(["python3", "-c", f"import urllib.request;print("
-                                          f"urllib.request.urlopen('{url}',timeout=1).read())"],
+                    out = subprocess.run(["python3", "-c", probe],
                                          capture_output=True, text=True, timeout=5)
                     if '"health":"true"' in out.stdout:
                         break
