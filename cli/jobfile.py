@@ -13,6 +13,10 @@
     [testing]                   # fault injection, emulated accelerator time
     kill = ["step=10,replica=1,phase=backward"]
 
+    [security]                  # recover controller: tls_cert, tls_key, tls_ca, token_file
+    tls_cert = "/etc/recover/controller.pem"   # recover run: tls = true
+
+
 Keys are the long flags' names with underscores. Without a `command`, the
 `[workload]` table takes the built-in reference GPT's settings
 (`microbatch_size`, `lr`, ...). The file's values become the flags'
@@ -38,6 +42,7 @@ SECTIONS = {
             "group_timeout", "job_id", "checkpoint_dir", "checkpoint_every", "checkpoint_keep"),
     "workload": ("command", "config", *tinygpt.FLAGS),
     "testing": ("kill", "compute_ms"),
+    "security": ("tls", "tls_cert", "tls_key", "tls_ca", "token_file"),
 }
 DESTS = {"command": "file_command", "config": "workload_config"}
 """Keys whose flag stores under another name."""
@@ -81,6 +86,8 @@ def load(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
         for key, value in table.items():
             where = f"--job {path!r}: [{section}] {key}"
             dest = DESTS.get(key, key)
+            if section == "security" and dest not in actions:
+                raise UsageError(f"{where}: `{parser.prog}` has no such option")
             values[dest] = _checked(where, key, value, actions.get(dest))
     if values.get("file_command") and any(k in values for k in tinygpt.FLAGS):
         raise UsageError(f"--job {path!r}: [workload] has a command and built-in GPT settings; "

@@ -84,6 +84,8 @@ class Coordinator(Membership, Operations):
         self.started_at = 0.0
         self.finished_at = 0.0
         self.done = asyncio.Event()
+        self._ending: asyncio.Future[None] | None = None
+        """The end being announced (held so the shielded task is not collected)."""
         self.takeover: Takeover | None = None
         """Set while a new leader waits for the agents to rejoin (see takeover.py)."""
         self.workload = pb.WorkloadInfo()
@@ -335,6 +337,14 @@ class Coordinator(Membership, Operations):
         await self._end(success=False)
 
     async def _end(self, success: bool) -> None:
+        """Persist the result, tell the agents, set `done`. Shielded: the caller is usually an
+        agent's stream handler, and the agent closes its stream as soon as it hears the
+        shutdown, which cancels the handler; the end must still run to `done` (or the
+        controller never writes its summary nor exits)."""
+        self._ending = asyncio.ensure_future(self._announce_end(success))
+        await asyncio.shield(self._ending)
+
+    async def _announce_end(self, success: bool) -> None:
         result = pb.Shutdown(reason=self.reason, success=success, state=str(self.state))
         await self._store.put(self._prefix + "result", result.SerializeToString())
         shutdown = pb.ControllerMessage(shutdown=result)

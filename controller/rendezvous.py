@@ -36,6 +36,9 @@ class RendezvousHost:
             host, self.port, is_master=True, wait_for_workers=False,
             timeout=timedelta(seconds=30), use_libuv=True,
             master_listen_fd=self._listener.fileno())
+        # The store owns the descriptor from here on and closes it itself; a second close
+        # from Python would fail, or close whatever reused the number meanwhile.
+        self._listener.detach()
 
     @property
     def address(self) -> str:
@@ -43,4 +46,3 @@ class RendezvousHost:
 
     def close(self) -> None:
         del self._store
-        self._listener.close()

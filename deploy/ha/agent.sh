@@ -5,5 +5,9 @@
 #   deploy/ha/agent.sh deploy/ha/recover-ha.env
 set -euo pipefail
 source "${1:?usage: agent.sh ENV_FILE}"
-exec recover agent --controller "$RECOVER_CONTROLLERS" --slots "$RECOVER_SLOTS" \
-  --agent-id "$(hostname)" --metrics-port "$RECOVER_METRICS_PORT" --connect-timeout 60
+# shellcheck disable=SC2206  # RECOVER_BIN may be several words (python -m recover.cli.main)
+recover=(${RECOVER_BIN:-recover})
+# Credentials come from the environment recover-ha.env exports (RECOVER_TLS_*); the
+# agent id is bound to this host's certificate when it first registers.
+exec "${recover[@]}" agent --controller "$RECOVER_CONTROLLERS" --slots "$RECOVER_SLOTS" \
+  --agent-id "$RECOVER_HOST_NAME" --metrics-port "$RECOVER_AGENT_METRICS_PORT" --connect-timeout 60

@@ -9,7 +9,10 @@ HOST="${2:?usage: controller.sh ENV_FILE HOST_IP}"
 command=()
 # shellcheck disable=SC2206  # RECOVER_WORKER_COMMAND is a list of words
 [ -n "${RECOVER_WORKER_COMMAND:-}" ] && command=(-- $RECOVER_WORKER_COMMAND)
+# shellcheck disable=SC2206  # RECOVER_BIN may be several words (python -m recover.cli.main)
+recover=(${RECOVER_BIN:-recover})
+# Credentials come from the environment recover-ha.env exports (RECOVER_TLS_*).
 # shellcheck disable=SC2086  # RECOVER_JOB_ARGS is a list of arguments
-exec recover controller $RECOVER_JOB_ARGS --host "$HOST" --port "$RECOVER_CONTROLLER_PORT" \
-  --store "$RECOVER_ETCD" --metrics-port "$RECOVER_METRICS_PORT" --controller-id "$(hostname)" \
-  --summary-out "${RECOVER_SUMMARY_DIR:-/var/lib/recover/$(hostname)}" "${command[@]}"
+exec "${recover[@]}" controller $RECOVER_JOB_ARGS --host "$HOST" --port "$RECOVER_CONTROLLER_PORT" \
+  --store "$RECOVER_ETCD" --metrics-port "$RECOVER_METRICS_PORT" --controller-id "$RECOVER_HOST_NAME" \
+  --summary-out "${RECOVER_SUMMARY_DIR:-/var/lib/recover/$RECOVER_HOST_NAME}" "${command[@]}"

@@ -12,7 +12,7 @@ import pytest
 
 from tests.etcd_cluster import free_port
 from tests.integration.conftest import REPO, Processes, recover_cmd, wait_for
-from tests.integration.test_hosts import recover_json
+from tests.integration.test_hosts import job_state
 
 pytestmark = pytest.mark.slow
 
@@ -45,8 +45,7 @@ def test_job_file_command_config_and_controller_written_summary(tmp_path: Path) 
         for name in ("a", "b"):
             start(f"agent-{name}", "agent", "--controller", address, "--slots", "1",
                   "--agent-id", name, "--log-dir", str(logs), "--connect-timeout", "30")
-        wait_for(lambda: recover_json("status", "--controller", address)[0]["state"]
-                 in ("succeeded", "failed"), 120, "the job to end")
+        wait_for(lambda: job_state(address) in ("succeeded", "failed"), 120, "the job to end")
         written = wait_for(lambda: (tmp_path / "ctl" / "summary.json").exists(), 10,
                            "the controller's summary.json")
         assert written

@@ -31,6 +31,24 @@ def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
+def status_or_none(address: str) -> dict[str, Any] | None:
+    """`recover status --json`, or None while the controller is not answering yet (it
+    imports torch first: seconds on a busy machine)."""
+    out = subprocess.run(recover_cmd("status", "--controller", address, "--json"),
+                         capture_output=True, text=True, timeout=30)
+    return json.loads(out.stdout.splitlines()[0]) if out.returncode == 0 else None
+
+
+def job_state(address: str) -> str | None:
+    status = status_or_none(address)
+    return None if status is None else status["state"]
+
+
+def steps_committed(address: str) -> int:
+    status = status_or_none(address)
+    return -1 if status is None else status["steps_committed"]
+
+
 def recover_json(*args: str, netns: str | None = None) -> Any:
     """`recover ARGS --json`, parsed; inside network namespace `netns` if given."""
     prefix = ["ip", "netns", "exec", netns] if netns else []
@@ -76,8 +94,7 @@ def test_host_loss_kill_and_stop(tmp_path: Path) -> None:
                        "--agent-id", "b", "--log-dir", str(logs))
         stopped = start("agent-c", "agent", "--controller", address, "--slots", "1",
                         "--agent-id", "c", "--log-dir", str(logs))
-        wait_for(lambda: recover_json("status", "--controller", address)[0]["steps_committed"] >= 3,
-                 90, "training to start")
+        wait_for(lambda: steps_committed(address) >= 3, 90, "training to start")
         lost_at = time.time()
         os.kill(killed.pid, signal.SIGKILL)
         os.kill(stopped.pid, signal.SIGSTOP)

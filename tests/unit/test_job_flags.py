@@ -102,6 +102,19 @@ def test_a_job_file_can_configure_the_builtin_gpt(tmp_path: Path) -> None:
     assert command[command.index("--lr") + 1] == "0.5"
 
 
+def test_a_job_file_carries_credentials_for_the_controller(tmp_path: Path) -> None:
+    path = write(tmp_path, '[security]\ntls_cert = "c.pem"\ntls_key = "k.pem"\n'
+                           'tls_ca = "ca.pem"\ntoken_file = "tokens"\n')
+    parser = build_parser()
+    jobfile.apply(job_parser(parser, ("controller",)), ["--job", path])
+    args = parser.parse_args(["controller", "--job", path, "--tls-ca", "other.pem"])
+    assert (args.tls_cert, args.tls_key, args.tls_ca, args.token_file) == (
+        "c.pem", "k.pem", "other.pem", "tokens")
+    run_parser = build_parser()
+    jobfile.apply(job_parser(run_parser, ("run",)), ["--job", write(tmp_path, "[security]\ntls = true\n")])
+    assert run_parser.parse_args(["run"]).tls is True
+
+
 @pytest.mark.parametrize("text, phrase", [
     ("[jobs]\nsteps = 3\n", "unknown section(s) ['jobs']"),
     ("[job]\nstep = 3\n", "unknown key(s) ['step'] in [job]"),
@@ -115,6 +128,8 @@ def test_a_job_file_can_configure_the_builtin_gpt(tmp_path: Path) -> None:
     ("[workload]\nconfig = 3\n", "[workload] config must be a table"),
     ("[workload]\ncommand = ['python', 'x.py']\nlr = 0.1\n", "has a command and built-in GPT"),
     ("[testing]\nkill = 'step=1'\n", "[testing] kill must be a list of strings"),
+    ("[security]\ntls = true\n", "[security] tls: `recover controller` has no such option"),
+    ("[security]\ntls_ca = 3\n", "[security] tls_ca must be a string"),
     ("job = 3\n", "[job] must be a table"),
     ("[job\n", "not valid TOML"),
 ])

@@ -1,0 +1,100 @@
+"""The deploy/ha recipe, run as written on one machine (loopback): certs.sh makes the CA and
+a host certificate, etcd.sh starts a TLS etcd that requires client certificates, and
+controller.sh and agent.sh train a job over mutual TLS, all configured by recover-ha.env
+edited the way a user would."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.etcd_cluster import free_port, require_etcd
+from tests.integration.conftest import REPO, recover_cmd, wait_for
+
+pytestmark = pytest.mark.slow
+
+DEPLOY = REPO / "deploy" / "ha"
+STEPS = 4
+
+
+def edited_env_file(tmp_path: Path, settings: dict[str, str]) -> Path:
+    """recover-ha.env with `settings` in place of the example values (nothing else changed)."""
+    text = (DEPLOY / "recover-ha.env").read_text()
+    for key, value in settings.items():
+        text, count = re.subn(rf"^{key}=.*$", f"{key}={shlex.quote(value)}", text, flags=re.M)
+        assert count == 1, f"recover-ha.env has no single {key}= line"
+    path = tmp_path / "recover-ha.env"
+    path.write_text(text)
+    return path
+
+
+def test_the_ha_recipe_trains_over_mutual_tls(tmp_path: Path) -> None:
+    require_etcd()
+    port = free_port()
+    tls = tmp_path / "tls"
+    env_file = edited_env_file(tmp_path, {
+        "RECOVER_TLS_DIR": str(tls),
+        "RECOVER_ETCD_CLUSTER": "m1=127.0.0.1",
+        "RECOVER_ETCD_CLIENT_PORT": str(free_port()),
+        "RECOVER_ETCD_PEER_PORT": str(free_port()),
+        "RECOVER_CONTROLLERS": f"127.0.0.1:{port}",
+        "RECOVER_CONTROLLER_PORT": str(port),
+        "RECOVER_METRICS_PORT": str(free_port()),
+        "RECOVER_AGENT_METRICS_PORT": str(free_port()),
+        "RECOVER_JOB_ARGS": f"--job-id ha --replicas 2 --steps {STEPS} -M 4 -B 2 --reduce exact "
+                            "--linger 30",
+        "RECOVER_WORKER_COMMAND": "",
+        "RECOVER_SLOTS": "2",
+    })
+    env = dict(os.environ, RECOVER_BIN=f"{sys.executable} -m recover.cli.main",
+               RECOVER_HOST_NAME="host0", RECOVER_ETCD_DATA=str(tmp_path / "etcd"),
+               RECOVER_SUMMARY_DIR=str(tmp_path / "summary"), PYTHONUNBUFFERED="1")
+    made = subprocess.run(["bash", str(DEPLOY / "certs.sh"), str(tls),
+                           "host0:controller+agent@127.0.0.1"],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert made.returncode == 0, made.stderr
+    assert {"ca.pem", "host0.pem", "host0-key.pem"} <= {p.name for p in tls.iterdir()}
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(name: str, *args: str) -> subprocess.Popen[bytes]:
+        with open(logs / f"{name}.log", "wb") as log:
+            process = subprocess.Popen(["bash", str(DEPLOY / f"{name}.sh"), str(env_file), *args],
+                                       stdout=log, stderr=subprocess.STDOUT, env=env,
+                                       start_new_session=True)
+        started.append(process)
+        return process
+
+    try:
+        start("etcd", "m1")
+        controller = start("controller", "127.0.0.1")
+        start("agent")
+        summary_file = tmp_path / "summary" / "summary.json"
+        wait_for(summary_file.exists, 180, "the controller's summary.json "
+                 f"(logs: {sorted(p.name for p in logs.iterdir())})")
+        summary = json.loads(summary_file.read_text())
+        assert summary["state"] == "succeeded", summary["reason"]
+        assert summary["steps_committed"] == STEPS
+        assert summary["replicas_per_step"][-1] == 2
+
+        # Without the cluster's credentials nobody is let in: the controller asks for a
+        # client certificate and the store for one too.
+        bare = {k: v for k, v in os.environ.items() if not k.startswith("RECOVER_TLS_")}
+        refused = subprocess.run(recover_cmd("status", "--controller", f"127.0.0.1:{port}"),
+                                 capture_output=True, text=True, timeout=30, env=bare)
+        assert refused.returncode != 0 and "TLS" in refused.stderr, refused.stderr
+        assert controller.wait(timeout=60) == 0
+    finally:
+        for process in started:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
