@@ -234,28 +234,55 @@ ASSUMED = {
 """At-scale costs not measurable on this machine (stated assumptions, see BENCHMARKS.md)."""
 
 
-def project(scenario: dict[str, Any], seed: int) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Scenario:
+    """A projected job: what it trains, what things cost, how often a replica fails."""
+
+    job: Job
+    costs: Costs
+    rebuild_s: float
+    """Rebuilding the data-parallel group (paid at recovery and when replicas enter)."""
+    replica_mtbf_s: float
+
+    @property
+    def ideal_s(self) -> float:
+        return self.job.steps * step_s(self.costs, self.job, self.job.replicas)
+
+    def failures(self, seed: int, k: int) -> list[Failure]:
+        """Draw k of a projection: the same for every system compared."""
+        return poisson_failures(self.job.replicas, self.replica_mtbf_s, ASSUMED["repair_s"],
+                                self.ideal_s * 3, seed * 1000 + k)
+
+
+def scenario(spec: dict[str, Any], rebuild_s: float | None = None) -> Scenario:
     a = ASSUMED
-    replicas = scenario["gpus"] // a["gpus_per_replica"]
+    replicas = spec["gpus"] // a["gpus_per_replica"]
     job = Job(replicas, replicas * a["microbatches_per_replica"],
               int(a["hours"] * 3600 / a["step_s"]))
     mb = a["step_s"] * 0.95 / a["microbatches_per_replica"]
-    rebuild = 0.5 * a["rebuild_s_at_16k"] + 0.5 * a["rebuild_s_at_16k"] * scenario["gpus"] / 16384
+    if rebuild_s is None:
+        rebuild_s = 0.5 * a["rebuild_s_at_16k"] + 0.5 * a["rebuild_s_at_16k"] * spec["gpus"] / 16384
     costs = Costs(microbatch_s=mb, overhead_s=a["step_s"] * 0.05, startup_s=0.0,
-                  recover_stall_s=a["detect_s"] + rebuild, restart_s=a["restart_s"],
-                  ckpt_write_s=a["ckpt_write_s"], rejoin_s=rebuild)
-    replica_mtbf = scenario["gpu_mtbf_s"] / a["gpus_per_replica"]
-    ideal = job.steps * step_s(costs, job, replicas)
+                  recover_stall_s=a["detect_s"] + rebuild_s, restart_s=a["restart_s"],
+                  ckpt_write_s=a["ckpt_write_s"], rejoin_s=rebuild_s)
+    return Scenario(job, costs, rebuild_s, spec["gpu_mtbf_s"] / a["gpus_per_replica"])
+
+
+def project(spec: dict[str, Any], seed: int) -> dict[str, Any]:
+    a = ASSUMED
+    s = scenario(spec)
+    job, costs, replicas, replica_mtbf, ideal = (s.job, s.costs, s.job.replicas,
+                                                 s.replica_mtbf_s, s.ideal_s)
     ettr: dict[str, list[float]] = {"recover": [], "ckpt-restart": []}
     count = []
     for k in range(a["seeds"]):
-        fails = poisson_failures(replicas, replica_mtbf, a["repair_s"], ideal * 3, seed * 1000 + k)
+        fails = s.failures(seed, k)
         count.append(sum(1 for f in fails if f[0] < ideal))
         ettr["recover"].append(ideal / simulate_recover(job, costs, fails))
         ettr["ckpt-restart"].append(ideal / simulate_ckpt(job, costs, fails, None,
                                                           replica_mtbf / replicas, spares=True))
     r, c = (sum(v) / len(v) for v in (ettr["recover"], ettr["ckpt-restart"]))
-    return {"scenario": scenario["name"], "gpus": scenario["gpus"], "replicas": replicas,
+    return {"scenario": spec["name"], "gpus": spec["gpus"], "replicas": replicas,
             "system_mtbf_min": round(replica_mtbf / replicas / 60, 1),
             "failures_per_day": round(sum(count) / len(count) * 86400 / ideal, 1),
             "ettr_recover": round(r, 4), "ettr_ckpt_restart": round(c, 4),

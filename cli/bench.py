@@ -141,7 +141,7 @@ def _throughput(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from recover.bench import simulate
+    from recover.bench import elastic_sim, simulate
 
     calibration = None
     if args.calibrate is not None:
@@ -154,8 +154,11 @@ def _simulate(args: argparse.Namespace) -> int:
             raise UsageError(f"--calibrate {args.calibrate!r}: not a `bench throughput` results.json")
     out = _out(args.out)
     results = simulate.main(calibration, args.seed)
+    results["capacity_comes_back"] = {"assumptions": elastic_sim.ASSUMED_ELASTIC,
+                                      "projections": elastic_sim.projections(args.seed)}
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     print(simulate.format_table(results))
+    print(elastic_sim.format_table(results["capacity_comes_back"]["projections"]))
     print(f"results: {out / 'results.json'}")
     return 0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from recover.bench.elastic_sim import Elastic, projections, simulate_elastic
 from recover.bench.simulate import Costs, Job, simulate_ckpt, simulate_recover, step_s
 
 COSTS = Costs(microbatch_s=1.0, overhead_s=0.5, startup_s=10.0, recover_stall_s=0.25,
@@ -31,3 +32,37 @@ def test_ckpt_by_hand():
     # checkpoints after steps 6 and 9 (2 x 2 s) -> 45 + 24.5 + 4.
     assert simulate_ckpt(JOB, COSTS, [(25.0, 3, None)], every_steps=3, mtbf_s=None) == \
         pytest.approx(45 + 24.5 + 4)
+
+
+def test_elastic_without_failures_or_spares_is_the_plain_run():
+    elastic = Elastic(spares=2, join_s=5.0, promote_s=1.0, entry_s=0.75)
+    assert simulate_elastic(JOB, COSTS, elastic, []) == simulate_recover(JOB, COSTS, [])
+
+
+def test_a_spare_enters_at_the_first_boundary_after_its_transfer():
+    # As in test_recover_by_hand, step 0 commits at 13.75 on 3 replicas; the spare promoted at
+    # t=11 is ready at 12 (promote_s 1), so it enters at the boundary 13.75 with a 0.75 s
+    # stall: 9 steps at full size, 2.5 s each.
+    elastic = Elastic(spares=1, join_s=100.0, promote_s=1.0, entry_s=0.75)
+    assert simulate_elastic(JOB, COSTS, elastic, [(11.0, 3, None)]) == \
+        pytest.approx(13.75 + 0.75 + 9 * 2.5)
+
+
+def test_a_restarted_slot_rejoins_in_the_background_and_extra_ones_wait_as_spares():
+    # No spares: the slot is back at 12 and ready at 12 + join_s 3 = 15: steps 1 (13.75 ->
+    # 17.25) runs on 3, the replica enters at 17.25 (+0.75), then 8 steps at full size.
+    elastic = Elastic(spares=0, join_s=3.0, promote_s=1.0, entry_s=0.75)
+    assert simulate_elastic(JOB, COSTS, elastic, [(11.0, 3, 12.0)]) == \
+        pytest.approx(17.25 + 0.75 + 8 * 2.5)
+    # With a spare as well, the spare enters at 13.75 and the returning slot, ready at 15,
+    # finds the job full: it becomes a spare and nobody stalls again.
+    with_spare = Elastic(spares=1, join_s=3.0, promote_s=1.0, entry_s=0.75)
+    assert simulate_elastic(JOB, COSTS, with_spare, [(11.0, 3, 12.0)]) == \
+        pytest.approx(13.75 + 0.75 + 9 * 2.5)
+
+
+def test_projections_come_back_faster_with_spares():
+    rows = projections(seed=1)
+    for row in rows:
+        assert row["ettr_rejoin_spares"] >= row["ettr_rejoin"] - 1e-9, row
+        assert 0 < row["ettr_rejoin_spares_per_provisioned_gpu"] <= row["ettr_rejoin_spares"]
