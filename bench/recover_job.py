@@ -2,8 +2,11 @@
 
 The kills are plain `kill -9` of worker PIDs (learnt from the controller's
 replica-ready events) at the schedule's times after the first committed step;
-nothing inside the job knows they are coming. Slot returns (repairs) are
-ignored: ReCoVer has no rejoin yet, so a lost replica stays lost.
+nothing inside the job knows they are coming. A slot's return (its host
+repaired or replaced) is a replacement agent with one slot started by hand
+against the running job at the schedule's time, as an operator would: its
+replica joins with live state transfer. (The job should run with
+`--max-restarts 0`, so that nothing comes back before the schedule says so.)
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from recover.cli import inspect
 from recover.proto import pb
 
 PID = re.compile(r"pid (\d+)")
+REGISTERED = re.compile(r"agent (\S+) on .*replicas \[(\d+)\]")
 
 
 class JobFailed(Exception):
@@ -55,8 +59,12 @@ def run_recover(out: Path, job_args: list[str], schedule: Schedule | None = None
                              "--out", str(out), *job_args], stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True)
     pending = list(schedule.events) if schedule else []
+    returns = sorted((e.returns_at_s, e.slot) for e in pending if e.returns_at_s is not None)
+    replica_of_slot = {slot: slot for slot in range(schedule.replicas if schedule else 0)}
+    replacements: dict[str, tuple[int, subprocess.Popen[bytes]]] = {}  # agent id -> slot, process
     pids: dict[int, int] = {}
     kills: list[dict[str, Any]] = []
+    returned: list[dict[str, Any]] = []
     events: list[dict[str, Any]] = []
     first_commit: float | None = None
     channel = stub = None
@@ -80,6 +88,9 @@ def run_recover(out: Path, job_args: list[str], schedule: Schedule | None = None
                                    "generation": event.generation, "replica": event.replica})
                     if event.kind == "replica-ready" and (m := PID.search(event.message)):
                         pids[event.replica] = int(m.group(1))
+                    if event.kind == "agent-registered" and (
+                            m := REGISTERED.search(event.message)) and m.group(1) in replacements:
+                        replica_of_slot[replacements[m.group(1)][0]] = int(m.group(2))
                 status = stub.Status(pb.StatusRequest(), timeout=2)
             except grpc.RpcError:
                 continue  # the job is ending (or busy): try again, the process poll decides
@@ -88,7 +99,7 @@ def run_recover(out: Path, job_args: list[str], schedule: Schedule | None = None
                 first_commit = now
             while first_commit is not None and pending and pending[0].at_s <= now - first_commit:
                 event = pending.pop(0)
-                pid = pids.get(event.slot)
+                pid = pids.get(replica_of_slot.get(event.slot, event.slot))
                 if pid is not None:
                     try:
                         os.kill(pid, signal.SIGKILL)
@@ -96,6 +107,12 @@ def run_recover(out: Path, job_args: list[str], schedule: Schedule | None = None
                         pid = None  # already gone: a second failure of a dead slot counts nothing
                 kills.append({"slot": event.slot, "killed_at_s": round(now - launched, 4),
                               "pid": pid})
+            while first_commit is not None and returns and returns[0][0] <= now - first_commit:
+                _, slot = returns.pop(0)
+                agent_id = f"replacement-{len(replacements)}"
+                replacements[agent_id] = (slot, _start_agent(out, port_file.read_text(), agent_id))
+                returned.append({"slot": slot, "agent": agent_id,
+                                 "started_at_s": round(now - launched, 4)})
             if progress is not None and now - last_shown > 2.0:
                 last_shown = now
                 progress(f"{label}: step {status.steps_committed}/{status.steps_total}  "
@@ -104,6 +121,14 @@ def run_recover(out: Path, job_args: list[str], schedule: Schedule | None = None
     finally:
         if channel is not None:
             channel.close()
+        for _, agent in replacements.values():  # they end with the job; make sure of it
+            if agent.poll() is None:
+                agent.terminate()
+            try:
+                agent.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                agent.kill()
+                agent.wait()
         if proc.poll() is None:
             # SIGINT: the launcher then stops its controller and agents, which run in
             # sessions of their own and would outlive a SIGTERMed launcher.
@@ -123,7 +148,19 @@ def run_recover(out: Path, job_args: list[str], schedule: Schedule | None = None
         raise JobFailed(f"{label}: training failed: {summary['reason']}")
     offset = summary["started_at"] - launched
     times = [offset + t for t in summary["committed_at_s_per_step"]]
-    summary.update(mode="recover", launched_at=launched, kills=kills, events=events,
+    summary.update(mode="recover", launched_at=launched, kills=kills, returns=returned,
+                   events=events,
                    commit_timeline=[[round(t, 4), step] for step, t in enumerate(times)],
                    end_s=round(times[-1], 4) if times else None)
     return summary
+
+
+def _start_agent(out: Path, port: str, agent_id: str) -> subprocess.Popen[bytes]:
+    """A replacement host: an agent with one slot for the running job (its logs in OUT/logs)."""
+    with open(out / "logs" / f"{agent_id}.log", "wb") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "recover.cli.main", "agent", "--controller",
+             f"127.0.0.1:{port}", "--slots", "1", "--agent-id", agent_id,
+             "--log-dir", str(out / "logs"), "--connect-timeout", "30"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True)

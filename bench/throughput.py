@@ -92,7 +92,10 @@ def run(config: ThroughputConfig, progress: Any = None) -> dict[str, Any]:
     reference = run_recover(out / "reference", config.job_args, None, say, "reference",
                             config.timeout_s)
     say(f"bench throughput: recover with {len(config.schedule.events)} scheduled failures")
-    recover = run_recover(out / "recover", config.job_args, config.schedule, say, "recover",
+    # A slot comes back when the schedule says (a replacement agent), not by a restart.
+    returns = any(e.returns_at_s is not None for e in config.schedule.events)
+    recover_args = ["--max-restarts", "0", *config.job_args] if returns else config.job_args
+    recover = run_recover(out / "recover", recover_args, config.schedule, say, "recover",
                           config.timeout_s)
     say("bench throughput: ckpt-restart with the same failures")
     ckpt = run_ckpt(CkptRestartConfig(job=job, out=out / "ckpt-restart", policy=config.policy,
@@ -126,8 +129,11 @@ def run(config: ThroughputConfig, progress: Any = None) -> dict[str, Any]:
             name: max(abs(a - b) for a, b in zip(runs[name]["loss_per_step"],
                                                   reference["loss_per_step"], strict=False))
             for name in ("recover", "ckpt-restart")},
-        "notes": "ReCoVer ignores slot returns (no rejoin yet); ckpt-restart restarts onto "
-                 "returned slots at its next restart. Alive slots follow the schedule for both.",
+        "recover_returns": recover["returns"],
+        "notes": "A returned slot is a replacement agent that joins the running ReCoVer job "
+                 "(live state transfer; workers are not restarted otherwise); ckpt-restart "
+                 "uses returned slots from its next restart on. Alive slots follow the "
+                 "schedule for both.",
     }
     results["calibration_inputs"] = {
         "recover": {"commit_timeline": recover["commit_timeline"], "end_s": recover["end_s"],

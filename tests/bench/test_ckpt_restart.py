@@ -58,17 +58,21 @@ def test_bad_input_is_one_line_exit_2(tmp_path):
 @pytest.mark.timeout(200)
 def test_bench_throughput_plumbing(tmp_path):
     schedule = tmp_path / "one.json"
-    schedule.write_text(json.dumps({"kind": "explicit", "events": [{"at_s": 0.5, "slot": 1}]}))
+    # Slot 1 is lost and its replacement host arrives a second later (an agent joining the
+    # running ReCoVer job; the baseline uses it at its next restart).
+    schedule.write_text(json.dumps({"kind": "explicit", "events": [
+        {"at_s": 0.3, "slot": 1, "repair_s": 0.3}]}))
     out = tmp_path / "tp"
-    result = recover("bench", "throughput", *[a for a in TINY if a != "--quiet"], "--schedule",
-                     str(schedule), "--out", str(out), timeout=190)
+    result = recover("bench", "throughput", *[a for a in TINY if a != "--quiet"], "--steps", "16",
+                     "--schedule", str(schedule), "--out", str(out), timeout=190)
     assert result.returncode == 0, result.stderr[-2000:]
     results = json.loads((out / "results.json").read_text())
     for key in ("speedup_tokens_per_wall_s", "speedup_tokens_per_slot_hour",
                 "speedup_tokens_per_alive_slot_s"):
         assert results[key] > 0
     assert set(results["runs"]) == {"reference", "recover", "ckpt-restart"}
-    assert all(run["steps"] == 8 for run in results["runs"].values())
+    assert [r["slot"] for r in results["recover_returns"]] == [1]
+    assert all(run["steps"] == 16 for run in results["runs"].values())
     # Same job everywhere: failures change only the float summation order.
     assert max(results["max_abs_loss_diff_vs_reference"].values()) < 1e-4
     assert (out / "tokens_over_time.png").stat().st_size > 0
