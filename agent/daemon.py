@@ -25,7 +25,7 @@ from recover.agent import fencing
 from recover.agent.link import LinkError, Session, close_session, open_session
 from recover.agent.local import WorkerChannelService
 from recover.agent.metrics import AgentCollector
-from recover.agent.restarts import decide_restart
+from recover.agent.restarts import RESTART_WINDOW_S, decide_restart, recent_restarts
 from recover.agent.workers import WorkerProcess, exit_report, spawn_worker, stop_workers
 from recover.common import progress
 from recover.common.netaddr import local_address_towards
@@ -72,7 +72,10 @@ class AgentConfig:
     metrics_host: str = "127.0.0.1"
     """Address the metrics endpoint listens on."""
     max_restarts: int = 3
-    """Times a slot's worker is replaced after it dies (with backoff); 0: never."""
+    """Times a slot's worker is replaced after it dies (with backoff) within
+    `restart_window_s`; 0: never."""
+    restart_window_s: float = RESTART_WINDOW_S
+    """Restarts older than this no longer count against a slot."""
     security: Security = Security()
     """Credentials towards the controller (TLS, a client certificate, a token)."""
 
@@ -100,7 +103,8 @@ class Agent:
         self._applied_step: dict[int, int] = {}
         self._ready: dict[int, pb.WorkerReport] = {}
         self.metrics_port: int | None = None
-        self.restarts: dict[int, int] = {}
+        self.restarts: dict[int, list[float]] = {}
+        """Per slot: when (monotonic) its workers were restarted, within the window."""
         """Workers started again per slot (a dead one replaced)."""
         self._job = pb.JobConfig()
         self._channel_address = ""
@@ -251,17 +255,18 @@ class Agent:
         self._upstream.put_nowait(pb.AgentMessage(worker_exited=report))
         log.warning("worker exited (code %d, signal %d)", report.exit_code, report.signal,
                     extra={"replica": worker.replica})
-        restarts = self.restarts.get(worker.slot, 0)
-        decision = decide_restart(worker.slot, restarts, self.config.max_restarts,
-                                  job_over=self._shutdown is not None,
+        now, window = time.monotonic(), self.config.restart_window_s
+        times = [t for t in self.restarts.get(worker.slot, []) if now - t < window]
+        decision = decide_restart(worker.slot, recent_restarts(times, now, window),
+                                  self.config.max_restarts, job_over=self._shutdown is not None,
                                   deterministic_error=worker.error is not None
-                                  and worker.error.deterministic)
+                                  and worker.error.deterministic, window_s=window)
         log.info("%s", decision.reason, extra={"replica": worker.replica})
         if worker.log_file is not None:  # one descriptor per restart would add up
             worker.log_file.close()
             worker.log_file = None
         if decision.restart:
-            self.restarts[worker.slot] = restarts + 1
+            self.restarts[worker.slot] = [*times, now]
             await self._request_replica(worker.slot, f"replica {worker.replica} exited",
                                         decision.delay_s)
 

@@ -225,6 +225,7 @@ def run_local(args: argparse.Namespace) -> int:
                 python, "-m", "recover.cli.main", "agent", "--controller", address,
                 "--slots", str(slots), "--agent-id", f"host{index}", "--log-dir", str(job.logs),
                 "--max-restarts", str(args.max_restarts),
+                "--restart-window", str(args.restart_window),
                 *(tls.flags(f"host{index}") if tls else [])])
         print(f"recover run: job {job_config.job_id}, {job_config.replicas} replicas on {agents} "
               f"agents, controller{'s' if len(addresses) > 1 else ''} {address}, logs in "

@@ -30,6 +30,7 @@ if sys.argv[1:2] != ["controller"]:
     # prints about it; a controller keeps them: they are its side of a refused handshake.
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
+from recover.agent.restarts import RESTART_WINDOW_S
 from recover.cli import bench, certs, jobfile
 from recover.cli.access import (
     add_operator_parsers,
@@ -72,7 +73,11 @@ def build_parser() -> Parser:
     run.add_argument("--start-timeout", type=positive_seconds, default=120.0,
                      help="seconds the workers get to build their models and report ready")
     run.add_argument("--max-restarts", type=int, default=3,
-                     help="times each slot's worker is replaced after it dies (default 3)")
+                     help="times each slot's worker is replaced after it dies, within "
+                          "--restart-window (default 3)")
+    run.add_argument("--restart-window", type=positive_seconds, default=RESTART_WINDOW_S,
+                     help="seconds after which a restart no longer counts against its slot "
+                          f"(default {RESTART_WINDOW_S:.0f})")
     run.add_argument("--start-grace", type=positive_seconds, default=10.0,
                      help="after a worker failed during startup: seconds its replacement gets "
                           "before the job starts without it (default 10)")
@@ -133,8 +138,11 @@ def build_parser() -> Parser:
     agent.add_argument("--connect-timeout", type=positive_seconds, default=10.0,
                        help="seconds to wait for the controller at start")
     agent.add_argument("--max-restarts", type=int, default=3,
-                       help="times each slot's worker is replaced after it dies, with backoff "
-                            "(default 3; 0: never)")
+                       help="times each slot's worker is replaced after it dies, with backoff, "
+                            "within --restart-window (default 3; 0: never)")
+    agent.add_argument("--restart-window", type=positive_seconds, default=RESTART_WINDOW_S,
+                       help="seconds after which a restart no longer counts against its slot "
+                            f"(default {RESTART_WINDOW_S:.0f})")
     add_security_arguments(agent)
     agent.add_argument("worker_command", nargs=argparse.REMAINDER,
                        help="after --: the worker command (default: the job's, set on the "
@@ -247,7 +255,8 @@ def _run_agent(args: argparse.Namespace) -> int:
     config = AgentConfig(controller=args.controller, slots=args.slots,
                          command=command or None, log_dir=args.log_dir,
                          connect_timeout_s=args.connect_timeout, metrics_port=args.metrics_port,
-                         max_restarts=args.max_restarts, security=security,
+                         max_restarts=args.max_restarts,
+                         restart_window_s=args.restart_window, security=security,
                          **({"agent_id": args.agent_id} if args.agent_id else {}))
     try:
         return asyncio.run(Agent(config).run())

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from recover.agent.restarts import decide_restart
+from recover.agent.restarts import decide_restart, recent_restarts
 from recover.common import ckptfile
 from recover.proto import pb
 from recover.trainer.checkpoint import CheckpointWriter, checkpoint_due, load
@@ -96,7 +96,7 @@ def test_the_writer_copies_at_the_boundary_and_writes_in_the_background(tmp_path
 @pytest.mark.parametrize("restarts, maximum, over, contract, restart, delay, reason", [
     (0, 3, False, False, True, 0.5, "slot 1: restart 1 of 3 in 0.5s"),
     (2, 3, False, False, True, 2.0, "restart 3 of 3 in 2.0s"),
-    (3, 3, False, False, False, 0.0, "restarted 3 times already"),
+    (3, 3, False, False, False, 0.0, "restarted 3 times in the last 1800s already"),
     (0, 0, False, False, False, 0.0, "--max-restarts 0"),
     (0, 3, True, False, False, 0.0, "the job is over"),
     (0, 3, False, True, False, 0.0, "broke the workload's contract"),
@@ -158,3 +158,14 @@ def test_resuming_a_finished_job_is_refused_with_a_reason(tmp_path: Path) -> Non
     write(tmp_path / "part", 20)
     job, meta, notes = resumed_job(str(tmp_path / "part"))
     assert meta.step == 20 and job.job_id == "j-from-20" and "not used" in notes[-1]
+
+
+@pytest.mark.parametrize("times, now, window, counted", [
+    ([], 100.0, 60.0, 0),
+    ([10.0, 50.0, 90.0], 100.0, 60.0, 2),   # the one at 10 s is more than a window ago
+    ([10.0, 50.0, 90.0], 200.0, 60.0, 0),   # healthy for a whole window: a fresh start
+    ([99.5], 100.0, 1.0, 1),
+    ([99.0], 100.0, 1.0, 0),                # exactly a window ago: no longer counts
+])
+def test_only_recent_restarts_count(times, now, window, counted) -> None:
+    assert recent_restarts(times, now, window) == counted
