@@ -25,10 +25,16 @@ import os
 import signal
 import sys
 
-if sys.argv[1:2] != ["controller"]:
-    # gRPC's own INFO lines (a refused handshake...) would precede the one line a client
-    # prints about it; a controller keeps them: they are its side of a refused handshake.
-    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+# gRPC's own INFO lines (a refused handshake...) would precede the one line a client prints
+# about it, so clients quiet them; a controller keeps them: they are its side of a refused
+# handshake. Quieting is marked, so that a controller started by a quieted process (`recover
+# run`, a test) undoes it rather than inherit it; a GRPC_VERBOSITY the user set is left alone.
+if sys.argv[1:2] == ["controller"]:
+    if os.environ.pop("RECOVER_QUIETED_GRPC", None) is not None:
+        os.environ.pop("GRPC_VERBOSITY", None)
+elif "GRPC_VERBOSITY" not in os.environ:
+    os.environ["GRPC_VERBOSITY"] = "ERROR"
+    os.environ["RECOVER_QUIETED_GRPC"] = "1"
 
 from recover.agent.restarts import RESTART_WINDOW_S
 from recover.cli import bench, certs, jobfile

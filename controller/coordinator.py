@@ -101,6 +101,8 @@ class Coordinator(Membership, Operations):
         """When a worker last failed before the job started (admission.start_decision)."""
         self.stopping = ""
         """Why the job stops at the next step boundary (an operator's stop: operations.py)."""
+        self.stop_pending = False
+        """The step the stop waited for is committed; the job stops once it is acknowledged."""
         self.draining: set[str] = set()
         """Agents whose replicas leave at the next step boundary (an operator's drain)."""
 
@@ -230,7 +232,7 @@ class Coordinator(Membership, Operations):
                 return
             await self.fail(f"all replicas lost (last: {why})")
             return
-        if self.step >= self.job.steps:
+        if self.last_step_committed:
             # The final step is committed; only its acknowledgements are pending.
             self.members = survivors
             await self.maybe_finish()
@@ -287,8 +289,9 @@ class Coordinator(Membership, Operations):
         commit.checkpoint_now = stop
         self._progress.reduced.clear()
         self.broadcast(pb.ControllerMessage(commit=commit))
-        if stop:
-            await self.stop_now()
+        if stop:  # ends once every member acknowledged this step (its digests in the summary)
+            self.stop_pending = True
+            await self.maybe_finish()
             return
         if leaving:
             await self.finish_drains()
@@ -314,11 +317,13 @@ class Coordinator(Membership, Operations):
         await self.new_generation(list(self.members), policy.PlanDecision(dict(self.plan), redo.reason))
 
     async def maybe_finish(self) -> None:
-        if self.state is not JobState.RUNNING or self.step < self.job.steps:
+        if self.state is not JobState.RUNNING or not self.last_step_committed:
             return
         last = self.steps[-1]
         applied = {d.replica for d in last.param_sha256}
-        if set(self.members) <= applied:
+        if set(self.members) <= applied and self.stop_pending:
+            await self.stop_now()
+        elif set(self.members) <= applied:
             await self._store.put(f"{self._prefix}steps/{last.step:010d}", last.SerializeToString())
             self.state = JobState.SUCCEEDED
             self.finished_at = self._clock()
@@ -355,6 +360,11 @@ class Coordinator(Membership, Operations):
         self.done.set()
 
     # ------------------------------------------------------------ helpers
+
+    @property
+    def last_step_committed(self) -> bool:
+        """No step is left to train: the job's last, or the one an operator stopped after."""
+        return self.step >= self.job.steps or self.stop_pending
 
     def now(self) -> float:
         return self._clock()

@@ -9,6 +9,7 @@ keeps running, and their TCP connections just stop carrying packets.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -69,6 +70,13 @@ def status(ns: str, address: str, what: str = "status") -> Any:
     return recover_json(what, "--controller", address, netns=ns)
 
 
+def steps_committed(ns: str, address: str) -> int:
+    """-1 while the controller does not answer yet (it imports torch first: seconds when busy)."""
+    out = subprocess.run(["ip", "netns", "exec", ns, *recover_cmd(
+        "status", "--controller", address, "--json")], capture_output=True, text=True, timeout=30)
+    return json.loads(out.stdout.splitlines()[0])["steps_committed"] if out.returncode == 0 else -1
+
+
 @pytest.fixture()
 def namespaces():  # type: ignore[no-untyped-def]
     try:
@@ -100,7 +108,7 @@ def test_a_host_cut_off_from_the_network_is_lost_and_stands_down(namespaces, tmp
             "agent", "--controller", address, "--slots", "2", "--agent-id", "b",
             "--log-dir", str(logs)), logs / "agent-b.log")
         processes.append(far)
-        wait_for(lambda: status(ns.ctl, address)[0]["steps_committed"] >= 3, 90,
+        wait_for(lambda: steps_committed(ns.ctl, address) >= 3, 90,
                  "training to start across both namespaces")
         cut_at = time.time()
         ns.cut(down=True)

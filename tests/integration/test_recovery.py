@@ -36,9 +36,16 @@ def test_failure_free_run(reference: dict[str, Any]) -> None:
         assert len(set(by_replica.values())) == 1
 
 
+# In-step recovery alone: a restarted worker rejoins (test_rejoin.py) only when the machine
+# is slow enough for it to be ready before the last step, so who is live at the end would
+# depend on timing.
+NO_RESTARTS = ("--max-restarts", "0")
+
+
 @pytest.mark.parametrize("phase", ["forward", "backward", "reduce", "commit"])
 def test_kill_in_each_phase(phase: str, tmp_path: Path, reference: dict[str, Any]) -> None:
-    result = run_recover(tmp_path, *BASE_ARGS, "--kill", f"step=2,replica=1,phase={phase}")
+    result = run_recover(tmp_path, *BASE_ARGS, *NO_RESTARTS,
+                         "--kill", f"step=2,replica=1,phase={phase}")
     assert result.returncode == 0, result.stderr
     summary = result.summary
     assert_same_training(summary, reference)
@@ -56,7 +63,8 @@ def test_kill_in_each_phase(phase: str, tmp_path: Path, reference: dict[str, Any
 
 
 def test_two_replicas_lost_in_one_step(tmp_path: Path, reference: dict[str, Any]) -> None:
-    result = run_recover(tmp_path, *BASE_ARGS, "--kill", "step=3,replica=1,phase=backward",
+    result = run_recover(tmp_path, *BASE_ARGS, *NO_RESTARTS,
+                         "--kill", "step=3,replica=1,phase=backward",
                          "--kill", "step=3,replica=2,phase=forward")
     assert result.returncode == 0, result.stderr
     assert_same_training(result.summary, reference)
@@ -67,7 +75,8 @@ def test_two_replicas_lost_in_one_step(tmp_path: Path, reference: dict[str, Any]
 @pytest.mark.parametrize("second_phase", ["rebuild", "recompute"])
 def test_failure_during_recovery(second_phase: str, tmp_path: Path,
                                  reference: dict[str, Any]) -> None:
-    result = run_recover(tmp_path, *BASE_ARGS, "--kill", "step=2,replica=0,phase=backward",
+    result = run_recover(tmp_path, *BASE_ARGS, *NO_RESTARTS,
+                         "--kill", "step=2,replica=0,phase=backward",
                          "--kill", f"step=2,replica=3,phase={second_phase}")
     assert result.returncode == 0, result.stderr
     summary = result.summary

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 import grpc
 import pytest
 
+from recover.cli.verify import compare
 from recover.common import ckptfile
 from recover.proto import pb, rpc
 from tests.etcd_cluster import free_port
@@ -81,15 +81,22 @@ def job_processes(marker: str) -> list[str]:
     return [line for line in out.splitlines() if "pgrep" not in line]
 
 
+@pytest.mark.timeout(600)
 def test_churn_brings_capacity_back_bitwise_without_leaks(tmp_path: Path,
                                                            reference: dict[str, Any]) -> None:
     """Workers lost and back all run long: one SIGKILLed from outside, the donor of a join
-    dying mid-stream, a joiner dying right after its snapshot, another kill mid-run."""
+    dying mid-stream, a joiner dying right after its snapshot, another kill mid-run. The job
+    runs until every replacement is in (however long each takes to import torch on this
+    machine), then an operator stops it: full strength, and its first 90 steps are the
+    failure-free run's."""
     out = tmp_path / "run"
     kills = ["step=0,replica=0,phase=donate",  # the first join's donor dies mid-stream
              "step=0,replica=5,phase=join",    # a later joiner dies after loading its snapshot
              "step=45,replica=3,phase=forward"]
-    proc = subprocess.Popen(recover_cmd("run", "--out", str(out), *ARGS,
+    steps = reference["steps_committed"]
+    at = ARGS.index("--steps") + 1
+    args = [*ARGS[:at], "100000", *ARGS[at + 1:]]
+    proc = subprocess.Popen(recover_cmd("run", "--out", str(out), *args,
                                         *[p for k in kills for p in ("--kill", k)]),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -101,31 +108,33 @@ def test_churn_brings_capacity_back_bitwise_without_leaks(tmp_path: Path,
         survivor = pids[2]
         before = proc_stats(survivor)
         os.kill(pids[1], signal.SIGKILL)  # from outside, no cooperation
-        wait_for(lambda: job.at_step(85), 150, "step 85")
+        # Every lost worker's slot gets a fresh replica that joins: 4, 5, 6, 7 for 1, 0, 3, 5
+        # (7 is a chain of three restarts and imports after the first kill).
+        wait_for(lambda: job.at_step(steps) and {6, 7} <= {
+            e.replica for e in job.events("replica-joined")}, 450, "replicas 6 and 7 to join")
         after = proc_stats(survivor)
+        stopped = job.stub.Stop(pb.StopRequest(reason="churn test done"), timeout=10)
+        assert stopped.accepted, stopped.reason
         _, stderr = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0, stderr
+    assert proc.returncode == 3, stderr  # stopped by an operator
     summary = json.loads((out / "summary.json").read_text())
-    assert_bitwise_identical(summary, reference)
-    assert summary["microbatches_per_step"] == [12] * 90
+    committed = summary["steps_committed"]
+    assert committed >= steps
+    verdict = compare(reference, summary)  # the reference ends at `steps`
+    assert verdict.identical or (verdict.first_difference is None and committed > steps), \
+        verdict.message
+    assert summary["param_sha256_per_step"][steps - 1] == reference["param_sha256"]
+    # Every live replica agreed after every step, the one the stop ended on too.
+    for step, by_replica in enumerate(summary["param_sha256_by_replica_per_step"]):
+        assert len(set(by_replica.values())) == 1, (step, by_replica)
+    assert summary["microbatches_per_step"] == [12] * committed
     failures = {(f["replica"], f["phase"], f["cause"]) for f in summary["failures"]}
     assert any(r == 1 and cause == "external" for r, _, cause in failures), failures
     assert {(0, "donate"), (5, "join"), (3, "forward")} <= {(r, p) for r, p, _ in failures}
-    # Every lost worker's slot got a fresh replica that came up: 4, 5, 6, 7 for 1, 0, 3, 5.
-    log = (out / "logs" / "controller.log").read_text()
-    for replica in (4, 5, 6, 7):
-        assert re.search(rf'replica-ready: pid [0-9]+.*" replica={replica}\b', log), replica
-    # Capacity came back: replacements entered mid-run (how many before the last step
-    # depends on how long each takes to import torch: the last one is a chain of three
-    # imports after the first kill); the others were still catching up, never lost.
-    per_step = summary["replicas_per_step"]
-    entries = sum(after > before for before, after in zip(per_step, per_step[1:], strict=False))
-    assert entries >= 1, per_step
-    live = set(summary["live_replicas"])
-    assert 2 in live and live <= {2, 4, 6, 7}, (live, per_step)
+    assert sorted(summary["live_replicas"]) == [2, 4, 6, 7]  # full strength again
     # The survivor donated, rebuilt its group many times: its memory and sockets did not grow.
     assert after[0] < before[0] * 1.25 + 20_000, (before, after)
     assert after[1] <= before[1] + 2, (before, after)

@@ -69,14 +69,30 @@ async def test_a_stop_takes_effect_after_the_step_in_flight_commits():
     await h.start()
     decision = await h.coord.request_stop("alice", "maintenance")
     assert decision.accepted and h.coord.state is RUNNING  # step 0 is in flight
-    await commit(h)
+    await h.reduce()
     commit_msg = h.messages("commit")[-1][1]
     assert commit_msg.step == 0 and commit_msg.checkpoint_now and not commit_msg.HasField("next_plan")
+    # It waits for every member's acknowledgement, so the summary has the step's digests.
+    await h.apply(0, replicas=[0])
+    assert h.coord.state is RUNNING and not h.messages("shutdown")
+    await h.apply(0, replicas=[1])
     assert h.coord.state is JobState.STOPPED and h.coord.reason == "stopped by alice: maintenance"
+    assert {d.replica for d in h.coord.steps[0].param_sha256} == {0, 1}
     shutdown = h.messages("shutdown")[-1][1]
     assert shutdown.state == "stopped" and not shutdown.success
     stored = pb.Shutdown.FromString(await h.store.get("/recover/job-unit/result"))
     assert stored.state == "stopped" and not h.coord.failures
+
+
+@scenario
+async def test_a_stop_still_ends_when_a_member_dies_before_acknowledging():
+    h = Harness(make_job(replicas=2, steps=10, m=4))
+    await h.start()
+    await h.coord.request_stop("alice", "")
+    await h.reduce()
+    await h.apply(0, replicas=[0])
+    await h.coord.worker_exited(pb.WorkerExited(replica=1, signal=9))
+    assert h.coord.state is JobState.STOPPED and h.coord.step == 1
 
 
 @scenario
