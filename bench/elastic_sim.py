@@ -90,7 +90,8 @@ start and imports, model build, a transfer of each GPU's shard from its counterp
 donor replica, catch-up); a warm spare enters one step (10 s) after the loss; spares for
 twice the slots expected to be down at once (at least one).
 `restart_fraction`: the failures a process restart on the same host fixes (software, NCCL
-timeouts, transient faults: about 30 % of Llama 3's 419 interruptions) - those slots are
+timeouts, transient faults; about 22 % of Llama 3's 419 interruptions were not hardware
+issues, and some hardware ones, a network link, do not retire the host) - those slots are
 back at once; the rest wait for the host's repair or replacement (ASSUMED["repair_s"])."""
 
 
