@@ -105,7 +105,6 @@ class Agent:
         self.metrics_port: int | None = None
         self.restarts: dict[int, list[float]] = {}
         """Per slot: when (monotonic) its workers were restarted, within the window."""
-        """Workers started again per slot (a dead one replaced)."""
         self._job = pb.JobConfig()
         self._channel_address = ""
         self._run_dir = Path()

@@ -16,7 +16,6 @@
     [security]                  # recover controller: tls_cert, tls_key, tls_ca, token_file
     tls_cert = "/etc/recover/controller.pem"   # recover run: tls = true
 
-
 Keys are the long flags' names with underscores. Without a `command`, the
 `[workload]` table takes the built-in reference GPT's settings
 (`microbatch_size`, `lr`, ...). The file's values become the flags'

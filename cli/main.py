@@ -72,7 +72,7 @@ def build_parser() -> Parser:
     run.add_argument("--quiet", action="store_true", help="no live progress display")
     run.add_argument("--store", default="memory://",
                      help="controller state store: memory:// (default), etcd://HOST:PORT[,...] or "
-                          "etcds://HOST:PORT[,...]?ca=F&cert=F&key=F&user=U&password_file=F")
+                          "etcds://HOST:PORT[,...]?ca=F&cert=F&key=F[&server_name=N][&user=U&password_file=F]")
     run.add_argument("--store-timeout", type=positive_seconds, default=10.0,
                      help="seconds the store gets to answer before the run gives up (default 10)")
     bench.add_run_mode_arguments(run)

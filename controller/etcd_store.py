@@ -66,7 +66,7 @@ def parse_etcd_url(url: str) -> list[tuple[str, int]]:
 @dataclass(frozen=True)
 class EtcdAccess:
     """TLS and credentials for etcd, from an `etcds://` URL's query
-    (`?ca=FILE&cert=FILE&key=FILE&user=NAME&password_file=FILE`)."""
+    (`?ca=FILE&cert=FILE&key=FILE&server_name=NAME&user=NAME&password_file=FILE`)."""
 
     tls: bool = False
     """etcds://: the members serve TLS (verified against `ca`, or the system's CAs)."""
@@ -76,6 +76,10 @@ class EtcdAccess:
     """PEM client certificate (etcd --client-cert-auth; with etcd auth on, its CN is the user)."""
     key: str = ""
     """PEM key of `cert`."""
+    server_name: str = ""
+    """The name the members' certificates are checked against. One channel reaches every
+    member, so with members on several hosts each certificate must carry one shared name
+    (`recover certs issue --host NAME`); default: the members' host when they share one."""
     user: str = ""
     """etcd user (etcd auth), with its password in `password_file`."""
     password_file: str = ""
@@ -92,7 +96,7 @@ class EtcdAccess:
         return Path(self.password_file).read_text().strip() if self.password_file else ""
 
 
-ACCESS_KEYS = ("ca", "cert", "key", "user", "password_file")
+ACCESS_KEYS = ("ca", "cert", "key", "server_name", "user", "password_file")
 
 
 def parse_etcd_access(url: str) -> EtcdAccess:
@@ -107,8 +111,13 @@ def parse_etcd_access(url: str) -> EtcdAccess:
                              f"{', '.join(k + '=...' for k in ACCESS_KEYS)}")
         values[name] = value
     access = EtcdAccess(tls=scheme == "etcds", **values)
-    if (access.ca or access.cert) and not access.tls:
+    if (access.ca or access.cert or access.server_name) and not access.tls:
         raise ValueError(f"store URL {url!r}: certificates go with etcds:// (TLS)")
+    hosts = {host for host, _ in parse_etcd_url(url)}
+    if access.tls and len(hosts) > 1 and not access.server_name:
+        raise ValueError(f"store URL {url!r}: members on several hosts over TLS need "
+                         "server_name=NAME, a name every member's certificate carries "
+                         "(recover certs issue --host NAME)")
     if bool(access.cert) != bool(access.key):
         raise ValueError(f"store URL {url!r}: cert= and key= go together")
     if access.password_file and not access.user:
@@ -168,9 +177,9 @@ class EtcdStore(Store):
         host, _, port = target.rpartition(":")
         options: dict[str, object] = {"grpc.initial_reconnect_backoff_ms": 100,
                                       "grpc.max_reconnect_backoff_ms": 1000}
-        if access.tls and len(endpoints) == 1:
-            # A certificate names its member's address; the multi-address target has none.
-            options["grpc.ssl_target_name_override"] = endpoints[0][0]
+        if access.tls:
+            # The multi-address target is no name a certificate could carry.
+            options["grpc.ssl_target_name_override"] = access.server_name or endpoints[0][0]
         self._client = _Client(access, host=host, port=int(port), timeout=op_timeout_s,
                                options=options)
         self._closed = False

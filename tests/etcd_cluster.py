@@ -68,7 +68,7 @@ class EtcdCluster:
         if self.tls is None:
             return "etcd://" + members
         return (f"etcds://{members}?ca={self.tls.ca}&cert={self.tls.client_cert}"
-                f"&key={self.tls.client_key}")
+                f"&key={self.tls.client_key}&server_name=localhost")
 
     def endpoints(self) -> list[tuple[str, int]]:
         return [("127.0.0.1", p) for p in self.client_ports]

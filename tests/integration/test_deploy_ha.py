@@ -57,7 +57,7 @@ def test_the_ha_recipe_trains_over_mutual_tls(tmp_path: Path) -> None:
                RECOVER_HOST_NAME="host0", RECOVER_ETCD_DATA=str(tmp_path / "etcd"),
                RECOVER_SUMMARY_DIR=str(tmp_path / "summary"), PYTHONUNBUFFERED="1")
     made = subprocess.run(["bash", str(DEPLOY / "certs.sh"), str(tls),
-                           "host0:controller+agent@127.0.0.1"],
+                           "host0:controller+agent@127.0.0.1,recover-etcd"],
                           capture_output=True, text=True, timeout=60, env=env)
     assert made.returncode == 0, made.stderr
     assert {"ca.pem", "host0.pem", "host0-key.pem"} <= {p.name for p in tls.iterdir()}

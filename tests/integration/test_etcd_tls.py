@@ -87,6 +87,7 @@ def test_the_store_speaks_tls_with_client_certificates_and_users(secured, tmp_pa
 
 @pytest.mark.parametrize("query, message", [
     ("?cert=/x", "cert= and key= go together"),
+    (",127.0.0.2:2379", "members on several hosts over TLS need server_name=NAME"),
     ("?ca=/nonexistent", "ca=/nonexistent is not a readable file"),
     ("?colour=blue", "'colour=blue' is not one of ca=..."),
     ("?password_file=/etc/hostname", "password_file= needs user="),
@@ -98,6 +99,25 @@ def test_bad_store_urls_are_named(query: str, message: str) -> None:
 
 
 @pytest.mark.slow
+def test_three_members_over_tls_one_lost(tmp_path: Path) -> None:
+    """One channel reaches every member: their certificates are checked against the one name
+    they share (server_name=), and losing the member in use moves to another."""
+    cluster = EtcdCluster(tmp_path / "etcd", members=3, tls=make_tls(tmp_path / "tls")).start()
+    try:
+        async def scenario() -> None:
+            store = open_store(cluster.url)
+            for member in range(3):
+                await store.put("/k", f"with {member} down".encode())
+                cluster.kill_member(member)
+                assert await store.get("/k") == f"with {member} down".encode()
+                cluster.start_member(member)
+            await store.close()
+
+        asyncio.run(scenario())
+    finally:
+        cluster.stop()
+
+
 def test_a_job_runs_on_a_secured_etcd(secured, tmp_path: Path) -> None:
     cluster, _ = secured
     result = run_recover(tmp_path / "run", "--store", cluster.url, "--replicas", "2",
