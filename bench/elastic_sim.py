@@ -28,8 +28,10 @@ from recover.bench.simulate import (
     Costs,
     Failure,
     Job,
+    lose_replica,
     scenario,
     simulate_recover,
+    step_end_s,
 )
 
 
@@ -63,16 +65,12 @@ def simulate_elastic(job: Job, costs: Costs, elastic: Elastic, failures: list[Fa
             if entering:
                 alive += entering
                 t += elastic.entry_s
-        left = job.global_microbatches - done
-        finish = t + math.ceil(left / alive) * costs.microbatch_s + costs.overhead_s
+        finish = step_end_s(job, costs, t, done, alive)
         if pending and pending[0][0] < finish and alive > 1:
             at, _, back = pending.pop(0)
             at = max(at, t)
-            progressed = min(left, (at - t) / costs.microbatch_s * alive)
-            done += progressed * (alive - 1) / alive
-            done = min(done, job.global_microbatches - 1)
+            t, done = lose_replica(job, costs, t, at, done, alive)
             alive -= 1
-            t = at + costs.recover_stall_s
             if spares:
                 spares -= 1
                 arrivals.append(at + elastic.promote_s)

@@ -74,6 +74,24 @@ Failure = tuple[float, int, float | None]
 """(absolute time, slot, absolute return time or None)."""
 
 
+def step_end_s(job: Job, costs: Costs, t: float, done: float, alive: int) -> float:
+    """When the current step commits if nothing fails: the microbatches not yet `done`,
+    spread over `alive` replicas, from time `t`."""
+    left = job.global_microbatches - done
+    return t + math.ceil(left / alive) * costs.microbatch_s + costs.overhead_s
+
+
+def lose_replica(job: Job, costs: Costs, t: float, at: float, done: float, alive: int
+                 ) -> tuple[float, float]:
+    """ReCoVer's in-step recovery from a replica lost at `at` (>= t, the step's restart time):
+    (time the survivors compute again, microbatches of the step they keep)."""
+    left = job.global_microbatches - done
+    # Work finished before the failure, minus the dead replica's share of it.
+    progressed = min(left, (at - t) / costs.microbatch_s * alive)
+    done = min(done + progressed * (alive - 1) / alive, job.global_microbatches - 1)
+    return at + costs.recover_stall_s, done
+
+
 def simulate_recover(job: Job, costs: Costs, failures: list[Failure]) -> float:
     """Time at which the last step commits."""
     t, step, alive = costs.startup_s, 0, job.replicas
@@ -85,17 +103,11 @@ def simulate_recover(job: Job, costs: Costs, failures: list[Failure]) -> float:
             returns.pop(0)
             alive += 1
             t += costs.rejoin_s
-        left = job.global_microbatches - done
-        finish = t + math.ceil(left / alive) * costs.microbatch_s + costs.overhead_s
+        finish = step_end_s(job, costs, t, done, alive)
         if pending and pending[0][0] < finish and alive > 1:
             at, _, back = pending.pop(0)
-            at = max(at, t)
-            # Work finished before the failure, minus the dead replica's share of it.
-            progressed = min(left, (at - t) / costs.microbatch_s * alive)
-            done += progressed * (alive - 1) / alive
-            done = min(done, job.global_microbatches - 1)
+            t, done = lose_replica(job, costs, t, max(at, t), done, alive)
             alive -= 1
-            t = at + costs.recover_stall_s
             if back is not None:
                 returns = sorted([*returns, back])
             continue

@@ -267,6 +267,16 @@ def job_to_args(job: pb.JobConfig) -> list[str]:
     return [*args, "--", *job.workload.command]
 
 
+def restart_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 0 <= value <= 1000:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1000, got {value}")
+    return value
+
+
 def positive_seconds(text: str) -> float:
     try:
         value = float(text)

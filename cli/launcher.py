@@ -190,8 +190,6 @@ def run_local(args: argparse.Namespace) -> int:
     agents = args.agents if args.agents is not None else min(2, job_config.replicas)
     if not 1 <= agents <= job_config.replicas:
         raise UsageError(f"--agents must be between 1 and --replicas ({job_config.replicas})")
-    if not 0 <= args.max_restarts <= 1000:
-        raise UsageError(f"--max-restarts must be between 0 and 1000, got {args.max_restarts}")
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)

@@ -51,11 +51,22 @@ from recover.cli.jobargs import (
     job_from_args,
     parse_address,
     positive_seconds,
+    restart_count,
 )
 from recover.common.lifetime import die_with_parent
 
 JOB_COMMANDS = (("run",), ("controller",), ("bench", "throughput"), ("bench", "overhead"))
 """Subcommands that take job flags (and a `--job FILE`)."""
+
+
+def add_restart_arguments(parser: argparse.ArgumentParser) -> None:
+    """The agents' worker restarts (`recover run` passes them on to its agents)."""
+    parser.add_argument("--max-restarts", type=restart_count, default=3,
+                        help="times each slot's worker is replaced after it dies, with backoff, "
+                             "within --restart-window (default 3; 0: never)")
+    parser.add_argument("--restart-window", type=positive_seconds, default=RESTART_WINDOW_S,
+                        help="seconds after which a restart no longer counts against its slot "
+                             f"(default {RESTART_WINDOW_S:.0f})")
 
 
 def build_parser() -> Parser:
@@ -78,12 +89,7 @@ def build_parser() -> Parser:
     bench.add_run_mode_arguments(run)
     run.add_argument("--start-timeout", type=positive_seconds, default=120.0,
                      help="seconds the workers get to build their models and report ready")
-    run.add_argument("--max-restarts", type=int, default=3,
-                     help="times each slot's worker is replaced after it dies, within "
-                          "--restart-window (default 3)")
-    run.add_argument("--restart-window", type=positive_seconds, default=RESTART_WINDOW_S,
-                     help="seconds after which a restart no longer counts against its slot "
-                          f"(default {RESTART_WINDOW_S:.0f})")
+    add_restart_arguments(run)
     run.add_argument("--start-grace", type=positive_seconds, default=10.0,
                      help="after a worker failed during startup: seconds its replacement gets "
                           "before the job starts without it (default 10)")
@@ -143,12 +149,7 @@ def build_parser() -> Parser:
                        help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (0: any free port)")
     agent.add_argument("--connect-timeout", type=positive_seconds, default=10.0,
                        help="seconds to wait for the controller at start")
-    agent.add_argument("--max-restarts", type=int, default=3,
-                       help="times each slot's worker is replaced after it dies, with backoff, "
-                            "within --restart-window (default 3; 0: never)")
-    agent.add_argument("--restart-window", type=positive_seconds, default=RESTART_WINDOW_S,
-                       help="seconds after which a restart no longer counts against its slot "
-                            f"(default {RESTART_WINDOW_S:.0f})")
+    add_restart_arguments(agent)
     add_security_arguments(agent)
     agent.add_argument("worker_command", nargs=argparse.REMAINDER,
                        help="after --: the worker command (default: the job's, set on the "
@@ -253,8 +254,6 @@ def _run_agent(args: argparse.Namespace) -> int:
     parse_addresses(args.controller)
     if args.slots < 1:
         raise UsageError(f"--slots must be at least 1, got {args.slots}")
-    if not 0 <= args.max_restarts <= 1000:
-        raise UsageError(f"--max-restarts must be between 0 and 1000, got {args.max_restarts}")
     command = args.worker_command[1:] if args.worker_command[:1] == ["--"] else args.worker_command
     security = security_from_args(args, "agent")
     logs.configure("agent")

@@ -9,32 +9,22 @@ import signal
 import subprocess
 import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.etcd_cluster import free_port
-from tests.integration.conftest import recover_cmd
+from tests.integration.conftest import recover_cmd, wait_for
 
 pytestmark = pytest.mark.slow
 
 
-def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-
-
-def status_or_none(address: str) -> dict[str, Any] | None:
-    """`recover status --json`, or None while the controller is not answering yet (it
-    imports torch first: seconds on a busy machine)."""
-    out = subprocess.run(recover_cmd("status", "--controller", address, "--json"),
+def status_or_none(address: str, netns: str | None = None) -> dict[str, Any] | None:
+    """`recover status --json` (inside network namespace `netns` if given), or None while the
+    controller is not answering yet (it imports torch first: seconds on a busy machine)."""
+    prefix = ["ip", "netns", "exec", netns] if netns else []
+    out = subprocess.run([*prefix, *recover_cmd("status", "--controller", address, "--json")],
                          capture_output=True, text=True, timeout=30)
     return json.loads(out.stdout.splitlines()[0]) if out.returncode == 0 else None
 
@@ -44,8 +34,8 @@ def job_state(address: str) -> str | None:
     return None if status is None else status["state"]
 
 
-def steps_committed(address: str) -> int:
-    status = status_or_none(address)
+def steps_committed(address: str, netns: str | None = None) -> int:
+    status = status_or_none(address, netns)
     return -1 if status is None else status["steps_committed"]
 
 

@@ -9,7 +9,6 @@ keeps running, and their TCP connections just stop carrying packets.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -20,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from tests.integration.conftest import recover_cmd
-from tests.integration.test_hosts import recover_json, wait_for
+from tests.integration.conftest import recover_cmd, wait_for
+from tests.integration.test_hosts import recover_json, steps_committed
 
 pytestmark = pytest.mark.slow
 
@@ -70,13 +69,6 @@ def status(ns: str, address: str, what: str = "status") -> Any:
     return recover_json(what, "--controller", address, netns=ns)
 
 
-def steps_committed(ns: str, address: str) -> int:
-    """-1 while the controller does not answer yet (it imports torch first: seconds when busy)."""
-    out = subprocess.run(["ip", "netns", "exec", ns, *recover_cmd(
-        "status", "--controller", address, "--json")], capture_output=True, text=True, timeout=30)
-    return json.loads(out.stdout.splitlines()[0])["steps_committed"] if out.returncode == 0 else -1
-
-
 @pytest.fixture()
 def namespaces():  # type: ignore[no-untyped-def]
     try:
@@ -108,7 +100,7 @@ def test_a_host_cut_off_from_the_network_is_lost_and_stands_down(namespaces, tmp
             "agent", "--controller", address, "--slots", "2", "--agent-id", "b",
             "--log-dir", str(logs)), logs / "agent-b.log")
         processes.append(far)
-        wait_for(lambda: steps_committed(ns.ctl, address) >= 3, 90,
+        wait_for(lambda: steps_committed(address, ns.ctl) >= 3, 90,
                  "training to start across both namespaces")
         cut_at = time.time()
         ns.cut(down=True)

@@ -18,6 +18,7 @@ from tests.integration.conftest import (
     assert_same_training,
     recover_cmd,
     run_recover,
+    wait_for,
 )
 
 pytestmark = pytest.mark.slow
@@ -86,16 +87,6 @@ def test_failure_during_recovery(second_phase: str, tmp_path: Path,
     assert summary["live_replicas"] == [1, 2]
 
 
-def _wait_for(predicate: Any, timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_external_kill_minus_nine(tmp_path: Path, reference: dict[str, Any]) -> None:
     """A worker killed from outside, with no cooperation, recovers like an injected one."""
     # More steps than the reference so there is time to aim; compare the common prefix.
@@ -104,7 +95,7 @@ def test_external_kill_minus_nine(tmp_path: Path, reference: dict[str, Any]) -> 
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         port_file = tmp_path / "controller.port"
-        port = int(_wait_for(lambda: port_file.exists() and port_file.read_text(), 60, "port"))
+        port = int(wait_for(lambda: port_file.exists() and port_file.read_text(), 60, "port"))
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         stub = rpc.ControlStub(channel)
 
@@ -114,7 +105,7 @@ def test_external_kill_minus_nine(tmp_path: Path, reference: dict[str, Any]) -> 
             except grpc.RpcError:
                 return False
 
-        _wait_for(step_at_least_two, 90, "training to reach step 2")
+        wait_for(step_at_least_two, 90, "training to reach step 2")
         events = stub.Events(pb.EventsRequest(), timeout=2).events
         pids = {e.replica: int(e.message.split()[1].rstrip(",")) for e in events
                 if e.kind == "replica-ready"}
