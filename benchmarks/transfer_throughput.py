@@ -1,22 +1,33 @@
-"""Throughput of the join's state transfer stream vs a raw TCP socket, over loopback.
+"""Throughput of the join's state transfer vs a raw TCP socket, over loopback.
 
-A join ships the donor's whole state as one SNAPSHOT frame (recover.trainer.transfer:
-a header, a protobuf StateManifest, then every tensor's raw bytes, received
-straight into fresh tensors). This sends the same ~100 float32 tensors
-(`--mb` in total, built by recover.trainer.statewire.encode as a donor does)
-through `connect` / `Stream.send` to a `Listener` / `Stream.receive` in another
-process, and the same number of bytes through a plain socket (`sendall` of
-one buffer, `recv_into` a preallocated, already-touched buffer: the best a
-socket can do here). A third variant, `raw-fresh`, receives into a buffer
-allocated just before (untouched pages, as a joiner's fresh tensors are), to
-separate the socket's cost from the first-touch of new memory; and a fourth,
-`stream-touched`, is the stream with its receiver's `empty_tensors` swapped
-(in the receiver process only) for tensors allocated and touched before the
-clock starts: the framing's own cost, without the fresh memory.
+A join ships the donor's whole state to the joiner (recover.trainer.joining:
+`Donation` on the donor, `Catchup` on the joiner, over recover.trainer.transfer).
+The state here is shaped like a model trained with Adam: `--layers` weight
+matrices and biases (`--mb` / 3 in all) plus two moment tensors of each, as an
+optimizer holds them. The joiner has built its model (the weights exist,
+touched) but has no optimizer state yet, as a fresh worker.
 
-Each transfer is timed on the sender, from connect to the receiver's
-acknowledgement after its last byte; variants alternate, `--reps` each, and
-a fresh receiver process (imports done before the clock starts) serves each.
+Variants, alternating, `--reps` each, a fresh receiver process (imports done
+before the clock starts) serving each:
+
+- `stream`: the product. The donor copies its snapshot (encode, as a donor
+  does between two steps); its `Donation` sends the layout (a PREVIEW frame),
+  then the bytes; the joiner's `Catchup` prepares a destination for every
+  tensor from the preview (its built model's weights in place, new memory
+  touched once for the moments), then receives.
+- `stream-fresh`: the design before (copy, connect, one SNAPSHOT frame received
+  into tensors allocated as it arrives).
+- `raw`: the same number of bytes through a plain socket into a buffer touched
+  before the clock starts (the best a socket can do here); `raw-fresh`: into a
+  buffer allocated just before.
+
+Clocks are CLOCK_MONOTONIC, shared by the two processes: the receiver reports
+when its last byte landed (and, for `stream`, when its destinations were
+ready). `wire` is what the bytes take: for `stream` from the destinations being
+ready to the last byte, for `stream-fresh` from the end of the donor's copy
+(connect included), for the raw variants from connect. `join` is from the
+donor's first action (its copy) to the last byte, everything included;
+`prepare` is the joiner's preparation (0 for the others).
 
     python benchmarks/transfer_throughput.py --out benchmarks/results/transfer-throughput
 """
@@ -32,7 +43,6 @@ import subprocess
 import sys
 import time
 import zlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,56 +50,67 @@ import torch
 
 from recover.bench.env import environment
 from recover.proto import pb
-from recover.trainer import transfer
-from recover.trainer.statewire import EncodedState, as_bytes, decode, encode
+from recover.trainer.destinations import own_tensors
+from recover.trainer.joining import Catchup, Donation
+from recover.trainer.statewire import as_bytes, encode
 from recover.trainer.transfer import FrameKind, Listener, connect
 
 TOKEN = "bench-token"
-VARIANTS = ("stream", "raw", "raw-fresh", "stream-touched")
+VARIANTS = ("stream", "stream-fresh", "raw", "raw-fresh")
 SIZE = struct.Struct("<Q")
 EDGE = 4096
-"""The receiver checksums the first and last 4 KiB it got, so a run that moved garbage is caught."""
+"""The receiver checksums the first and last 4 KiB of what it got: a run that moved garbage
+is caught."""
 
 
-def build_state(total_mb: int, layers: int) -> dict[str, torch.Tensor]:
-    """`layers` weight matrices of width 1024 plus as many 1024-wide biases: 2 x layers tensors."""
-    floats = total_mb * (1 << 20) // 4
+def build_state(total_mb: int, layers: int, moments: bool = True) -> dict[str, Any]:
+    """Weights (`layers` matrices of width 1024 and their biases, a third of `total_mb`) and,
+    with `moments`, an optimizer state with two moments of each, like Adam's."""
+    floats = total_mb * (1 << 20) // 4 // 3
     rows = (floats // layers - 1024) // 1024
     gen = torch.Generator().manual_seed(0)
-    state = {}
+    model = {}
     for i in range(layers):
-        state[f"layer{i}.weight"] = torch.randn(rows, 1024, generator=gen)
-        state[f"layer{i}.bias"] = torch.randn(1024, generator=gen)
-    return state
+        model[f"layer{i}.weight"] = torch.randn(rows, 1024, generator=gen)
+        model[f"layer{i}.bias"] = torch.randn(1024, generator=gen)
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    if moments:
+        state = {i: {"exp_avg": torch.randn_like(t), "exp_avg_sq": torch.rand_like(t)}
+                 for i, t in enumerate(model.values())}
+    return {"model": model, "optimizer": {"state": state}}
+
+
+def crc_of(edges: bytes) -> int:
+    return zlib.crc32(edges)
 
 
 def receive(variant: str, nbytes: int, mb: int, layers: int) -> None:
-    """Receiver process: announce an address on stdout, take one transfer, ack, print a crc."""
-    if variant == "stream-touched":
-        ready = [torch.zeros_like(t) for t in build_state(mb, layers).values()]  # touched
-
-        fresh = transfer.empty_tensors
-
-        def touched(metas: Any) -> Iterator[torch.Tensor]:
-            metas = list(metas)
-            if len(metas) != len(ready):  # the HELLO and END frames: no tensors
-                yield from fresh(metas)
-                return
-            for meta, t in zip(metas, ready, strict=True):
-                assert meta.nbytes == t.numel() * t.element_size()
-                yield t
-
-        transfer.empty_tensors = touched  # this process only: the module's own reference
+    """Receiver process: announce an address on stdout, take one transfer, print when its last
+    byte landed and a crc of its edges."""
+    prepared = prepare_s = 0.0
     if variant.startswith("stream"):
         listener = Listener("127.0.0.1")
+        own = own_tensors(build_state(mb, layers, moments=False)) if variant == "stream" else None
         print(listener.address, flush=True)
-        stream, _ = listener.accept(TOKEN, 120)
-        kind, manifest, tensors = stream.receive()
-        assert kind is FrameKind.SNAPSHOT and isinstance(manifest, pb.StateManifest)
-        decode(manifest.root, tensors)  # what a joiner does with it
-        stream.send(FrameKind.END, pb.TransferEnd())
+        command = pb.Join(joiner=1, donor=0, token=TOKEN, attempt=1)
+        if own is None:
+            stream, _ = listener.accept(TOKEN, 120)
+            kind, _, tensors = stream.receive()
+            assert kind is FrameKind.SNAPSHOT
+            landed = time.monotonic()
+            stream.close()
+        else:
+            catchup = Catchup(listener, command, own=own)
+            landed = time.monotonic()
+            assert catchup.destinations is not None
+            prepared = catchup.destinations.prepared_at
+            prepare_s = catchup.destinations.prepare_s
+            tensors = list(catchup.state["model"].values()) + [
+                m for moments in catchup.state["optimizer"]["state"].values()
+                for m in moments.values()]
+            assert catchup.next() is None
+            catchup.close()
         edges = bytes(as_bytes(tensors[0]))[:EDGE] + bytes(as_bytes(tensors[-1]))[-EDGE:]
-        stream.close()
     else:
         buffer = torch.empty(nbytes, dtype=torch.uint8)
         if variant == "raw":
@@ -107,43 +128,56 @@ def receive(variant: str, nbytes: int, mb: int, layers: int) -> None:
             if got == 0:
                 raise SystemExit("sender closed early")
             done += got
-        conn.sendall(b"k")
+        landed = time.monotonic()
         edges = bytes(view[:EDGE]) + bytes(view[-EDGE:])
         conn.close()
-    print(zlib.crc32(edges), flush=True)
+    print(landed, flush=True)
+    print(prepared, flush=True)
+    print(prepare_s, flush=True)
+    print(crc_of(edges), flush=True)
 
 
-def send_once(variant: str, encoded: EncodedState, flat: torch.Tensor, mb: int,
-              layers: int) -> tuple[float, bool]:
-    """One transfer to a fresh receiver: seconds from connect to ack, and whether the crc matched."""
-    nbytes = encoded.nbytes
+def send_once(variant: str, state: dict[str, Any], flat: torch.Tensor, mb: int,
+              layers: int) -> tuple[dict[str, float], bool]:
+    """One transfer to a fresh receiver: its timings, and whether the receiver's crc matched."""
+    nbytes = flat.numel()
     proc = subprocess.Popen([sys.executable, __file__, "--receiver", variant, "--nbytes", str(nbytes),
                              "--mb", str(mb), "--layers", str(layers)], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
-    host, _, port = proc.stdout.readline().strip().rpartition(":")
-    if variant.startswith("stream"):
-        manifest = encoded.manifest()
-        started = time.perf_counter()
-        stream = connect(f"{host}:{port}", pb.TransferHello(token=TOKEN, donor=0, joiner=1), 30)
-        stream.send(FrameKind.SNAPSHOT, manifest, encoded.tensors)
-        kind, _, _ = stream.receive()
-        elapsed = time.perf_counter() - started
-        assert kind is FrameKind.END
+    address = proc.stdout.readline().strip()
+    host, _, port = address.rpartition(":")
+    timings: dict[str, float] = {}
+    started = time.monotonic()
+    if variant == "stream":
+        snapshot = encode(state)  # the donor's copy
+        copied = time.monotonic()
+        donation = Donation(pb.Donate(donor=0, joiner=1, address=address, token=TOKEN), 0,
+                            snapshot, 0)
+        donation.finish_before(0)  # no steps to catch up: END follows the snapshot
+        donation.done.wait(120)
+        assert not donation.failed, donation.failed
+    elif variant == "stream-fresh":
+        snapshot = encode(state)
+        copied = time.monotonic()
+        stream = connect(address, pb.TransferHello(token=TOKEN, donor=0, joiner=1), 30)
+        stream.send(FrameKind.SNAPSHOT, snapshot.manifest(), snapshot.tensors)
         stream.close()
     else:
-        started = time.perf_counter()
+        copied = started
         sock = socket.create_connection((host, int(port)))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.sendall(SIZE.pack(nbytes))
         sock.sendall(as_bytes(flat))
-        ack = sock.recv(1)
-        elapsed = time.perf_counter() - started
-        assert ack == b"k"
         sock.close()
+    landed = float(proc.stdout.readline())
+    prepared = float(proc.stdout.readline())
+    prepare_s = float(proc.stdout.readline())
     crc = int(proc.stdout.readline())
     proc.wait(timeout=60)
+    timings = {"wire": landed - (prepared or copied), "join": landed - started,
+               "copy": copied - started, "prepare": prepare_s}
     whole = as_bytes(flat)
-    return elapsed, crc == zlib.crc32(bytes(whole[:EDGE]) + bytes(whole[-EDGE:]))
+    return timings, crc == crc_of(bytes(whole[:EDGE]) + bytes(whole[-EDGE:]))
 
 
 def main() -> int:
@@ -163,43 +197,59 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env_before = environment()
-    encoded = encode(build_state(args.mb, args.layers))  # the donor's snapshot copy (not timed)
-    flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in encoded.tensors])
-    nbytes = encoded.nbytes
-    print(f"{len(encoded.tensors)} tensors, {nbytes / 1e6:.1f} MB, manifest "
-          f"{len(encoded.manifest().SerializeToString())} bytes", file=sys.stderr)
-    seconds: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    state = build_state(args.mb, args.layers)  # the donor's live state
+    layout = encode(state, check_only=True)
+    flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in layout.tensors])
+    nbytes = flat.numel()
+    print(f"{len(layout.tensors)} tensors, {nbytes / 1e6:.1f} MB (a third of it the weights), "
+          f"manifest {len(layout.manifest().SerializeToString())} bytes", file=sys.stderr)
+    timings: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
     for rep in range(args.reps):
         order = VARIANTS[rep % len(VARIANTS):] + VARIANTS[:rep % len(VARIANTS)]  # rotate the first
         for variant in order:
-            elapsed, ok = send_once(variant, encoded, flat, args.mb, args.layers)
+            timing, ok = send_once(variant, state, flat, args.mb, args.layers)
             if not ok:
                 raise SystemExit(f"{variant}: the receiver got different bytes")
-            seconds[variant].append(elapsed)
-            print(f"rep {rep} {variant:9}: {elapsed * 1000:7.1f} ms, {nbytes / elapsed / 1e6:7.0f} MB/s",
-                  file=sys.stderr, flush=True)
-    rates = {v: [nbytes / s / 1e6 for s in seconds[v]] for v in VARIANTS}
-    med = {v: statistics.median(rates[v]) for v in VARIANTS}
-    # Per repetition, stream vs the raw run of the same round (close in time).
-    per_rep = [rates["stream"][i] / rates["raw"][i] for i in range(args.reps)]
+            timings[variant].append(timing)
+            print(f"rep {rep} {variant:12}: wire {timing['wire'] * 1000:7.1f} ms "
+                  f"({nbytes / timing['wire'] / 1e6:5.0f} MB/s), copy {timing['copy'] * 1000:6.1f} "
+                  f"ms, prepare {timing['prepare'] * 1000:6.1f} ms, join "
+                  f"{timing['join'] * 1000:7.1f} ms", file=sys.stderr, flush=True)
+
+    def rates(variant: str, key: str) -> list[float]:
+        return [nbytes / t[key] / 1e6 for t in timings[variant]]
+
+    med = {v: statistics.median(rates(v, "wire")) for v in VARIANTS}
+    join_s = {v: statistics.median(t["join"] for t in timings[v]) for v in VARIANTS}
+    prepare_s = statistics.median(t["prepare"] for t in timings["stream"])
+    copy_s = {v: statistics.median(t["copy"] for t in timings[v]) for v in VARIANTS[:2]}
+    per_rep = [s / r for s, r in zip(rates("stream", "wire"), rates("raw", "wire"), strict=True)]
     result = {
-        "benchmark": "transfer_throughput", "bytes": nbytes, "tensors": len(encoded.tensors),
-        "reps": args.reps, "seconds": {v: [round(s, 5) for s in seconds[v]] for v in VARIANTS},
-        "mb_per_s": {v: {"median": round(med[v], 1), "min": round(min(rates[v]), 1),
-                         "max": round(max(rates[v]), 1)} for v in VARIANTS},
+        "benchmark": "transfer_throughput", "bytes": nbytes, "tensors": len(layout.tensors),
+        "reps": args.reps,
+        "seconds": {v: [{k: round(x, 5) for k, x in t.items()} for t in timings[v]]
+                    for v in VARIANTS},
+        "wire_mb_per_s": {v: {"median": round(med[v], 1), "min": round(min(rates(v, "wire")), 1),
+                              "max": round(max(rates(v, "wire")), 1)} for v in VARIANTS},
+        "join_s_median": {v: round(join_s[v], 4) for v in VARIANTS},
+        "donor_copy_s_median": {v: round(copy_s[v], 4) for v in copy_s},
+        "joiner_prepare_s_median": round(prepare_s, 4),
         "ratio_stream_vs_raw": round(med["stream"] / med["raw"], 3),
-        "ratio_stream_vs_raw_fresh": round(med["stream"] / med["raw-fresh"], 3),
-        "ratio_stream_touched_vs_raw": round(med["stream-touched"] / med["raw"], 3),
+        "ratio_stream_fresh_vs_raw": round(med["stream-fresh"] / med["raw"], 3),
+        "ratio_raw_fresh_vs_raw": round(med["raw-fresh"] / med["raw"], 3),
         "ratio_per_rep": [round(r, 3) for r in per_rep],
+        "join_ratio_stream_vs_stream_fresh": round(join_s["stream"] / join_s["stream-fresh"], 3),
         "target_ratio": 0.8, "target_met": med["stream"] / med["raw"] >= 0.8,
         "environment_before": env_before, "environment": environment(), "finished_at": time.time()}
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
-    print("\n| variant | MB/s median | min | max |\n|---|---|---|---|")
+    print("\n| variant | wire MB/s median | min | max | donate -> landed, median |\n|---|---|---|---|---|")
     for v in VARIANTS:
-        print(f"| {v} | {med[v]:.0f} | {min(rates[v]):.0f} | {max(rates[v]):.0f} |")
+        print(f"| {v} | {med[v]:.0f} | {min(rates(v, 'wire')):.0f} | {max(rates(v, 'wire')):.0f} | "
+              f"{join_s[v] * 1000:.0f} ms |")
     print(f"stream / raw = {result['ratio_stream_vs_raw']} (per rep {result['ratio_per_rep']}); "
-          f"stream / raw-fresh = {result['ratio_stream_vs_raw_fresh']}; stream-touched / raw = "
-          f"{result['ratio_stream_touched_vs_raw']}; target >= 0.8: "
+          f"stream-fresh / raw = {result['ratio_stream_fresh_vs_raw']}; whole join stream / "
+          f"stream-fresh = {result['join_ratio_stream_vs_stream_fresh']}; the joiner's preparation "
+          f"{prepare_s * 1000:.0f} ms (median); target >= 0.8: "
           f"{'met' if result['target_met'] else 'NOT met'}")
     return 0
 

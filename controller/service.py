@@ -329,6 +329,7 @@ def run_report(c: Coordinator) -> pb.RunReport:
     return pb.RunReport(
         job=c.job, status=job_status(c), steps=c.steps, failures=c.failures,
         started_at=c.started_at, finished_at=c.finished_at, workload=c.workload,
+        last_checkpoint=c.last_checkpoint,
         recovery_timings=[pb.RecoveryTiming(**{f"{phase}_s": seconds for phase, seconds
                                                in timing.items()})
                           for timing in c.recovery.timings])

@@ -123,6 +123,10 @@ def build_summary(report: pb.RunReport, wall_s: float) -> dict[str, Any]:
         # Seconds from the job's start to each step's commit (cumulative-tokens plots).
         "committed_at_s_per_step": [round(record.committed_at - report.started_at, 4)
                                     if report.started_at else None for record in steps],
+        # Where `--resume` would start from (the newest checkpoint written, if any).
+        "last_checkpoint": {"step": report.last_checkpoint.step,
+                            "path": report.last_checkpoint.path}
+        if report.HasField("last_checkpoint") else None,
     }
 
 
@@ -156,4 +160,8 @@ def format_summary(summary: dict[str, Any]) -> str:
                  f"{summary['tokens']} tokens in {summary['wall_s']:.1f}s")
     if summary["param_sha256"]:
         lines.append(f"final parameters sha256 {summary['param_sha256'][:16]}...")
+    if summary.get("last_checkpoint"):
+        checkpoint = summary["last_checkpoint"]
+        lines.append(f"last checkpoint: the state before step {checkpoint['step']}, "
+                     f"{checkpoint['path']}")
     return "\n".join(lines)

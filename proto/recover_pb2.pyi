@@ -812,7 +812,7 @@ class ReportRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RunReport(_message.Message):
-    __slots__ = ("job", "status", "steps", "failures", "started_at", "finished_at", "recovery_timings", "workload")
+    __slots__ = ("job", "status", "steps", "failures", "started_at", "finished_at", "recovery_timings", "workload", "last_checkpoint")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -821,6 +821,7 @@ class RunReport(_message.Message):
     FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
     RECOVERY_TIMINGS_FIELD_NUMBER: _ClassVar[int]
     WORKLOAD_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     job: JobConfig
     status: JobStatus
     steps: _containers.RepeatedCompositeFieldContainer[StepRecord]
@@ -829,7 +830,8 @@ class RunReport(_message.Message):
     finished_at: float
     recovery_timings: _containers.RepeatedCompositeFieldContainer[RecoveryTiming]
     workload: WorkloadInfo
-    def __init__(self, job: _Optional[_Union[JobConfig, _Mapping]] = ..., status: _Optional[_Union[JobStatus, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepRecord, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[FailureRecord, _Mapping]]] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., recovery_timings: _Optional[_Iterable[_Union[RecoveryTiming, _Mapping]]] = ..., workload: _Optional[_Union[WorkloadInfo, _Mapping]] = ...) -> None: ...
+    last_checkpoint: CheckpointWritten
+    def __init__(self, job: _Optional[_Union[JobConfig, _Mapping]] = ..., status: _Optional[_Union[JobStatus, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepRecord, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[FailureRecord, _Mapping]]] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., recovery_timings: _Optional[_Iterable[_Union[RecoveryTiming, _Mapping]]] = ..., workload: _Optional[_Union[WorkloadInfo, _Mapping]] = ..., last_checkpoint: _Optional[_Union[CheckpointWritten, _Mapping]] = ...) -> None: ...
 
 class StopRequest(_message.Message):
     __slots__ = ("reason",)

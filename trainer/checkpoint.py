@@ -27,6 +27,10 @@ from recover.trainer.statewire import as_bytes, decode, empty_tensors, encode
 
 log = logging.getLogger("recover.trainer")
 
+FINAL_WRITE_WAIT_S = 600.0
+"""How long the end of a job waits for its last checkpoint to be written (a big state on a
+slow disk takes minutes; a hung one must not hold the job forever)."""
+
 
 def checkpoint_due(next_step: int, *, every_steps: int, every_s: float, last_step: int,
                    last_at: float, now: float) -> bool:

@@ -26,10 +26,11 @@ from recover.common.ckptfile import CheckpointError
 from recover.common.progress import ProgressBeacon
 from recover.proto import pb
 from recover.trainer.channel import AgentChannel
-from recover.trainer.checkpoint import CheckpointWriter
+from recover.trainer.checkpoint import FINAL_WRITE_WAIT_S, CheckpointWriter
 from recover.trainer.checkpoint import load as load_checkpoint
 from recover.trainer.collectives import CollectiveAborted, GenerationGroup, GroupSpec
 from recover.trainer.commits import CommitAction, judge_commit
+from recover.trainer.destinations import OwnTensors
 from recover.trainer.digest import parameter_digest
 from recover.trainer.errors import call_user, contract_error
 from recover.trainer.faults import FaultInjector
@@ -78,6 +79,8 @@ class StepExecutor(JoinSteps):
         """The state came from a donor or a checkpoint (else: the model as the user built it)."""
         self.resume: pb.ResumePoint | None = None
         """A checkpoint to load before the first generation, unless a donor's state came first."""
+        self.built_tensors: OwnTensors | None = None
+        """The state as built, offered to a join's snapshot to be received into in place."""
         # Guards the hand-over between the receiver thread (which learns of new
         # generations first) and the main thread (which owns the group).
         self._group_lock = threading.Lock()
@@ -166,6 +169,9 @@ class StepExecutor(JoinSteps):
             return
         if self.generation == 0 and self.resume is not None and not self.state_loaded:
             self.load_checkpoint(self.resume)  # a replica that starts with a resumed job
+        if self.generation == 0 and self.built_tensors is not None and self.built_tensors.used \
+                and not self.state_loaded:
+            raise RuntimeError("admitted as built, but a failed join overwrote the built state")
         recovering = self.generation > 0
         self.generation, self.members = view.generation, list(view.members)
         plan = view.plan
@@ -286,14 +292,17 @@ class StepExecutor(JoinSteps):
         self._apply(s.reduced.grads, pb.CatchUpStep(
             step=s.step, loss=s.reduced.loss, generation=self.generation,
             microbatches=commit.microbatches or self.job.global_microbatches, tokens=commit.tokens,
-            record=commit.record), commit_wait, checkpoint_now=commit.checkpoint_now)
+            record=commit.record), commit_wait, checkpoint_now=commit.checkpoint_now,
+            final=commit.final)
         self.finished = commit.final
         if commit.HasField("next_plan"):
             self._adopt_plan(commit.next_plan)
 
     def _apply(self, means: list, step: pb.CatchUpStep, commit_wait: float | None,
-               checkpoint_now: bool = False) -> None:
-        """Apply a committed step: as a member (`commit_wait` set), or catching up as a joiner."""
+               checkpoint_now: bool = False, final: bool = False) -> None:
+        """Apply a committed step: as a member (`commit_wait` set), or catching up as a joiner.
+        After the job's `final` step the first member writes its checkpoint before saying it
+        applied the step: the job ends on that, and its last checkpoint is reported first."""
         lr, norm = self.workload.apply(self.grads, means)
         self.accumulator.observe_committed(means)
         self.accumulator.reset()
@@ -304,8 +313,10 @@ class StepExecutor(JoinSteps):
         if member:  # a joiner's record carries its donor's digest: the same bits
             digest = parameter_digest(self.workload.model)
             record.param_sha256.append(pb.ReplicaDigest(replica=self.replica, param_sha256=digest))
-            self.channel.send(pb.WorkerReport(applied=pb.Applied(
-                step=step.step, param_sha256=digest, commit_wait_s=commit_wait)))
+            applied = pb.WorkerReport(applied=pb.Applied(
+                step=step.step, param_sha256=digest, commit_wait_s=commit_wait))
+            if not final:
+                self.channel.send(applied)
             self.steps_applied += 1
         self.ledger.append(record)
         if member:
@@ -315,6 +326,10 @@ class StepExecutor(JoinSteps):
         if first and self.checkpoints is not None:
             self.checkpoints.maybe_write(step.step + 1, lambda: self.training_state(False),
                                          self.ledger, force=checkpoint_now)
+            if final:
+                self.checkpoints.close(FINAL_WRITE_WAIT_S)
+        if member and final:
+            self.channel.send(applied)
         if self.workload.on_step_committed is not None:
             call_user("on_step_committed", self.workload.on_step_committed, StepInfo(
                 step=step.step, loss=step.loss, lr=lr, grad_norm=norm,

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from recover.proto import pb
+from recover.trainer.destinations import Destinations, OwnTensors
 from recover.trainer.statewire import EncodedState, decode, tensor_metas
 from recover.trainer.transfer import FrameKind, Listener, Stream, TransferError, connect
 
@@ -101,6 +102,8 @@ class Donation:
             stream.settimeout(CONNECT_TIMEOUT_S)
             manifest = self._snapshot.manifest()
             manifest.step = self._next
+            # The layout first: the joiner prepares memory for it, then reads the bytes.
+            stream.send(FrameKind.PREVIEW, manifest)
             stream.send(FrameKind.SNAPSHOT, manifest, self._snapshot.tensors)
             self._snapshot = EncodedState(pb.StateNode())  # the copy is sent: free it
             log.info("sent replica %d a snapshot of step %d: %.1f MB in %.2fs", self.joiner,
@@ -133,13 +136,25 @@ class Catchup:
     """The joiner's side of one join: the snapshot, then the donor's committed steps."""
 
     def __init__(self, listener: Listener, command: pb.Join,
-                 stop: Callable[[], bool] | None = None) -> None:
+                 stop: Callable[[], bool] | None = None, own: OwnTensors | None = None) -> None:
+        """`own`: tensors of the joiner's state as built (never loaded) that may receive the
+        snapshot in place; None when the joiner holds a state worth keeping."""
         self.command = command
         started = time.monotonic()
         self._stream, _ = listener.accept(command.token, CONNECT_TIMEOUT_S, stop)
+        self.destinations: Destinations | None = None
         try:
             self._stream.settimeout(CONNECT_TIMEOUT_S)
             kind, manifest, tensors = self._stream.receive()
+            if kind is FrameKind.PREVIEW and isinstance(manifest, pb.StateManifest):
+                # Memory is prepared for what the preview announces before it is sent: only
+                # a peer that presented this join's one-time token gets this far.
+                try:
+                    destinations = Destinations(manifest, own)
+                except ValueError as exc:
+                    raise TransferError(f"the donor's preview is impossible: {exc}") from None
+                self.destinations = destinations
+                kind, manifest, tensors = self._stream.receive(into=destinations.for_snapshot)
             if kind is not FrameKind.SNAPSHOT or not isinstance(manifest, pb.StateManifest):
                 raise TransferError(f"expected a snapshot, got a {kind.name} frame")
             self.state: Any = decode(manifest.root, tensors)

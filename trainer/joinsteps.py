@@ -12,6 +12,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from recover.proto import pb
+from recover.trainer.destinations import own_tensors
 from recover.trainer.joining import Catchup, Donation, catch_up_step
 from recover.trainer.statewire import encode
 from recover.trainer.stepstate import ORPHAN_WAIT_S
@@ -59,7 +60,11 @@ class JoinSteps(_Base):
             return  # a member already (a stale command)
         self._pending_join = None
         try:
-            catchup = Catchup(self.listener, command, stop=self._stop_waiting)
+            # A state as built is worthless: the snapshot may be received straight into it.
+            if not self.state_loaded and self.built_tensors is None:
+                self.built_tensors = own_tensors(self.training_state(with_ledger=False))
+            catchup = Catchup(self.listener, command, stop=self._stop_waiting,
+                              own=None if self.state_loaded else self.built_tensors)
         except TransferError as exc:
             self._join_ended(command, str(exc))
             return

@@ -119,13 +119,17 @@ def tensor_metas(tensors: list[torch.Tensor]) -> list[pb.TensorMeta]:
                           nbytes=t.numel() * t.element_size()) for t in tensors]
 
 
+def meta_dtype(meta: pb.TensorMeta) -> torch.dtype:
+    dtype = _DTYPES.get(meta.dtype)
+    if dtype is None:
+        raise ValueError(f"unknown tensor dtype {meta.dtype!r} in a state manifest")
+    return dtype
+
+
 def empty_tensors(metas: Iterable[pb.TensorMeta]) -> Iterator[torch.Tensor]:
     """Tensors to receive the described bytes into, in order (checked against their sizes)."""
     for meta in metas:
-        dtype = _DTYPES.get(meta.dtype)
-        if dtype is None:
-            raise ValueError(f"unknown tensor dtype {meta.dtype!r} in a state manifest")
-        t = torch.empty(list(meta.shape), dtype=dtype)
+        t = torch.empty(list(meta.shape), dtype=meta_dtype(meta))
         if t.numel() * t.element_size() != meta.nbytes:
             raise ValueError(f"tensor of shape {list(meta.shape)} and dtype {meta.dtype} cannot "
                              f"hold {meta.nbytes} bytes")

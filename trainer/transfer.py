@@ -20,8 +20,9 @@ import hmac
 import socket
 import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from enum import IntEnum
+from typing import Any
 
 import torch
 from google.protobuf.message import DecodeError, Message
@@ -50,11 +51,15 @@ class FrameKind(IntEnum):
     """CatchUpStep + that step's reduced gradient, one tensor per gradient bucket."""
     END = 4
     """TransferEnd: the donor sent every step the joiner needs (or says why it stops)."""
+    PREVIEW = 5
+    """StateManifest without bytes: the snapshot's layout, sent just before the snapshot, so
+    the joiner prepares the memory to receive it into (trainer/destinations.py)."""
 
 
 MESSAGES: dict[FrameKind, type[Message]] = {
     FrameKind.HELLO: pb.TransferHello, FrameKind.SNAPSHOT: pb.StateManifest,
     FrameKind.STEP: pb.CatchUpStep, FrameKind.END: pb.TransferEnd,
+    FrameKind.PREVIEW: pb.StateManifest,
 }
 
 
@@ -88,8 +93,11 @@ class Stream:
             raise TransferError(f"sending a {kind.name} frame failed: {exc}") from None
         self.sent_bytes += HEADER.size + len(payload) + total
 
-    def receive(self, max_message: int = MAX_MESSAGE_BYTES,
-                max_tensor_bytes: int | None = None) -> tuple[FrameKind, Message, list[torch.Tensor]]:
+    def receive(self, max_message: int = MAX_MESSAGE_BYTES, max_tensor_bytes: int | None = None,
+                into: Callable[[Any], Iterable[torch.Tensor]] | None = None,
+                ) -> tuple[FrameKind, Message, list[torch.Tensor]]:
+        """The next frame. `into` gives the tensors to receive its bytes into (else they
+        land in fresh ones); it is asked only once the frame's sizes are checked."""
         magic, kind_value, size, total = HEADER.unpack(self._read_exactly(HEADER.size))
         if magic != MAGIC or kind_value not in FrameKind._value2member_map_:
             raise TransferError("not a ReCoVer transfer frame")
@@ -103,17 +111,20 @@ class Stream:
             message.ParseFromString(self._read_exactly(size))
         except DecodeError:
             raise TransferError(f"a {kind.name} frame's message does not parse") from None
-        metas = getattr(message, "tensors", ())
+        # A preview describes tensors that come with the snapshot after it, not with it.
+        metas = () if kind is FrameKind.PREVIEW else getattr(message, "tensors", ())
         # Checked before anything is allocated: a hostile or broken peer must not make this
         # process allocate what its frame does not carry.
         if sum(m.nbytes for m in metas) != total:
             raise TransferError(f"a {kind.name} frame announces {total} tensor bytes, its "
                                 "message describes another amount")
         try:
-            tensors = list(empty_tensors(metas))
+            tensors = list(into(message) if into is not None and metas else empty_tensors(metas))
         except (ValueError, RuntimeError) as exc:
             raise TransferError(f"a {kind.name} frame describes impossible tensors: {exc}"
                                 ) from None
+        if [t.numel() * t.element_size() for t in tensors] != [m.nbytes for m in metas]:
+            raise TransferError(f"no room to receive a {kind.name} frame as described")
         for t in tensors:
             self._read_into(as_bytes(t))
         self.received_bytes += HEADER.size + size + total

@@ -214,3 +214,7 @@ def test_a_job_that_lost_everything_resumes_bitwise_from_its_checkpoint(
     assert f"the state before step {newest_step - 10} of 90" in resumed.stderr
     assert_bitwise_identical(resumed.summary, reference)
     assert resumed.summary["steps_committed"] == 90
+    # The job's very last checkpoint is written and reported before the job ends.
+    last = resumed.summary["last_checkpoint"]
+    assert last["step"] == 90 and Path(last["path"]).exists(), last
+    assert "last checkpoint: the state before step 90" in resumed.stdout
