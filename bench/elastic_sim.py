@@ -6,9 +6,10 @@ state from a live donor while the others keep training, catches up on the
 committed steps it missed, and enters at a step boundary in a new generation.
 The survivors pay only that entry (`entry_s`: the group is rebuilt with it,
 once per boundary however many enter). Hot spares are warm replicas outside
-the plan: a loss promotes one, which enters `promote_s` later (its transfer and
-catch-up), and the returned slot becomes a spare in its place. Members never
-exceed the job's replicas; what returns beyond that waits as a spare.
+the plan that hold every committed step: a loss promotes one into the very
+generation that recovers from it (the same group rebuild; it takes the lost
+microbatches), and the returned slot becomes a spare in its place. Members
+never exceed the job's replicas; what returns beyond that waits as a spare.
 
 Not modelled: an idle spare failing (it would only shrink the pool; with a
 handful of spares among thousands of replicas, <1 % more failures) and a join
@@ -44,8 +45,6 @@ class Elastic:
     join_s: float
     """A returned slot: process start, model build, state transfer and catch-up, all in the
     background (the survivors keep training)."""
-    promote_s: float
-    """A spare: state transfer and catch-up before it can enter (in the background)."""
     entry_s: float
     """Everyone stalls this long when replicas enter (a new generation rebuilds the group)."""
 
@@ -70,10 +69,10 @@ def simulate_elastic(job: Job, costs: Costs, elastic: Elastic, failures: list[Fa
             at, _, back = pending.pop(0)
             at = max(at, t)
             t, done = lose_replica(job, costs, t, at, done, alive)
-            alive -= 1
-            if spares:
+            if spares:  # it enters the recovering generation: no second rebuild
                 spares -= 1
-                arrivals.append(at + elastic.promote_s)
+            else:
+                alive -= 1
             if back is not None:
                 arrivals.append(back + elastic.join_s)
             continue
@@ -81,12 +80,14 @@ def simulate_elastic(job: Job, costs: Costs, elastic: Elastic, failures: list[Fa
     return t
 
 
-ASSUMED_ELASTIC: dict[str, Any] = {"join_s": 90.0, "promote_s": 10.0, "spare_cover": 2.0,
+ASSUMED_ELASTIC: dict[str, Any] = {"join_s": 90.0, "spare_cover": 2.0,
                                    "restart_fraction": 0.3}
 """At scale (not measurable here): a slot is ready to enter 90 s after it is back (process
 start and imports, model build, a transfer of each GPU's shard from its counterpart in a
-donor replica, catch-up); a warm spare enters one step (10 s) after the loss; spares for
-twice the slots expected to be down at once (at least one).
+donor replica, catch-up); spares for twice the slots expected to be down at once (at least
+one). A warm spare has applied the last committed step by the time a loss is known (it
+gets each step's gradient as the step commits; measured here: promoted at the lost step in
+the rejoin benchmark), so it enters the recovery itself.
 `restart_fraction`: the failures a process restart on the same host fixes (software, NCCL
 timeouts, transient faults; about 22 % of Llama 3's 419 interruptions were not hardware
 issues, and some hardware ones, a network link, do not retire the host) - those slots are
@@ -101,8 +102,8 @@ def project(spec: dict[str, Any], seed: int, rebuild_s: float | None = None) -> 
     down = s.job.replicas * ASSUMED["repair_s"] / s.replica_mtbf_s * (1 - a["restart_fraction"])
     spares = max(1, math.ceil(a["spare_cover"] * down))
     variants = {
-        "rejoin": Elastic(0, a["join_s"], a["promote_s"], s.rebuild_s),
-        "spares": Elastic(spares, a["join_s"], a["promote_s"], s.rebuild_s),
+        "rejoin": Elastic(0, a["join_s"], s.rebuild_s),
+        "spares": Elastic(spares, a["join_s"], s.rebuild_s),
     }
     ettr: dict[str, list[float]] = {"repair": [], "rejoin": [], "spares": []}
     for k in range(ASSUMED["seeds"]):

@@ -221,28 +221,25 @@ class Coordinator(Membership, Operations):
         if self.state is not JobState.RUNNING or not lost or self.takeover is not None:
             return  # during a takeover, its end plans around every replica lost meanwhile
         survivors = [m for m in self.members if self.replicas[m].alive]
-        if not survivors:
-            # Spares holding the state of this very step carry the job on alone: the step
-            # starts over on them (nothing of it survived anyway).
-            spares = self.joins.entering(self.step, replacing=True)
-            if spares:
-                self.recoveries += 1
-                await self.new_generation(spares, policy.uniform_plan(
-                    spares, self.job.global_microbatches))
-                return
-            await self.fail(f"all replicas lost (last: {why})")
-            return
-        if self.last_step_committed:
+        if self.last_step_committed and survivors:
             # The final step is committed; only its acknowledgements are pending.
             self.members = survivors
             await self.maybe_finish()
+            return
+        # Spares holding the state of this very step take the lost members' place in the
+        # same new generation (one group rebuild, not a second one at the next boundary)
+        # and a share of the lost microbatches; if every member is lost, they carry on.
+        spares = [] if self.job.policy == "drop" or self.last_step_committed else \
+            self.joins.entering(self.step, replacing=survivors)
+        if not survivors and not spares:
+            await self.fail(f"all replicas lost (last: {why})")
             return
         self.recoveries += 1
         if self.job.policy == "drop":
             decision = policy.drop_lost(self.plan, lost, survivors)
         else:
-            decision = policy.reassign_lost(self.plan, lost, survivors)
-        await self.new_generation(survivors, decision)
+            decision = policy.reassign_lost(self.plan, lost, survivors, spares)
+        await self.new_generation(sorted([*survivors, *spares]), decision)
 
     async def _commit(self) -> None:
         reports = [self._progress.reduced[m] for m in self.members]

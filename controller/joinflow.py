@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections import Counter
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from recover.controller.joins import (
@@ -123,15 +124,16 @@ class JoinFlow:
             if join.phase is JoinPhase.WAITING_DONOR and join.retry_at <= now:
                 self._start(join)
 
-    def entering(self, enters_at: int, *, final: bool = False, replacing: bool = False
-                 ) -> list[int]:
+    def entering(self, enters_at: int, *, final: bool = False,
+                 replacing: Sequence[int] | None = None) -> list[int]:
         """The joiners that become members from step `enters_at` on: after the commit of
-        the step before it, or (`replacing`) in place of members that were all lost."""
+        the step before it, or in the middle of that step in place of lost members, next to
+        the members `replacing` names (the survivors): only those holding its state."""
         c = self.c
         chosen: list[int] = []
-        members = 0 if replacing else len(c.members)
+        members = len(c.members) if replacing is None else len(replacing)
         for join in sorted(self.joins.values(), key=lambda j: j.joiner):
-            verdict = entry(join, enters_at, in_flight=0 if replacing else 1,
+            verdict = entry(join, enters_at, in_flight=1 if replacing is None else 0,
                             members=members + len(chosen), target=c.job.replicas, final=final)
             if verdict.enter:
                 chosen.append(join.joiner)

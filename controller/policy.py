@@ -57,6 +57,7 @@ def reassign_lost(
     current: Mapping[int, Sequence[int]],
     lost: Sequence[int],
     survivors: Sequence[int],
+    spares: Sequence[int] = (),
 ) -> PlanDecision:
     """Keep every survivor's microbatches and hand the lost replicas' ones out.
 
@@ -64,30 +65,48 @@ def reassign_lost(
     lost microbatch goes to the survivor with the smallest load so far, which
     under uniform throughput is the one that will finish earliest. Ties go to
     the earlier member, so the decision is deterministic.
+
+    `spares` enter in the lost replicas' place (they hold this step's state).
+    How far the survivors got with their own microbatches is unknown here, so
+    the lost ones are spread evenly over spares and survivors, spares first,
+    rather than all given to the idle spares: handing a spare the whole lost
+    share made the failed step 1.82x a normal one in the rejoin benchmark (the
+    spare starts from scratch mid-step), spreading it 1.34x, no longer than
+    recomputing on the survivors alone (1.41x; BENCHMARKS.md section 8).
     """
-    if not survivors:
+    if not survivors and not spares:
         raise PolicyError(f"replicas {sorted(lost)} lost and no survivor left")
     unknown = [r for r in survivors if r not in current]
     if unknown:
         raise PolicyError(f"survivors {unknown} have no assignment in the current plan")
-    load = {r: list(current[r]) for r in survivors}
+    members = [*survivors, *spares]
+    load = {r: list(current[r]) for r in survivors} | {r: [] for r in spares}
     orphaned = sorted(mb for r in lost for mb in current.get(r, ()))
-    gains: dict[int, list[int]] = {r: [] for r in survivors}
-    order = {r: i for i, r in enumerate(survivors)}
+    gains: dict[int, list[int]] = {r: [] for r in members}
+    order = {r: i for i, r in enumerate(members)}
+    spare_set = set(spares)
+
+    def weight(r: int) -> tuple[int, ...]:
+        if spare_set:  # spread: by what each was given now, spares first
+            return (len(gains[r]), r not in spare_set, order[r])
+        return (len(load[r]), order[r])
+
     for microbatch in orphaned:
-        target = min(survivors, key=lambda r: (len(load[r]), order[r]))
+        target = min(members, key=weight)
         load[target].append(microbatch)
         gains[target].append(microbatch)
-    assignment = {r: tuple(load[r]) for r in survivors}
+    assignment = {r: tuple(load[r]) for r in members}
+    entered = f"; spares {list(spares)} take their place" if spares else ""
     if not orphaned:
-        reason = f"replicas {sorted(lost)} lost with no microbatches; plan unchanged"
+        reason = f"replicas {sorted(lost)} lost with no microbatches; plan unchanged{entered}"
     else:
         moves = ", ".join(
             f"{len(ids)} to replica {r}" for r, ids in gains.items() if ids
         )
+        how = "spread evenly, spares first" if spares else "to the least-loaded survivors"
         reason = (
-            f"replicas {sorted(lost)} lost; their {len(orphaned)} microbatches "
-            f"reassigned to the least-loaded survivors: {moves}"
+            f"replicas {sorted(lost)} lost{entered}; their {len(orphaned)} microbatches "
+            f"reassigned {how}: {moves}"
         )
     return PlanDecision(assignment, reason)
 

@@ -35,30 +35,30 @@ def test_ckpt_by_hand():
 
 
 def test_elastic_without_failures_or_spares_is_the_plain_run():
-    elastic = Elastic(spares=2, join_s=5.0, promote_s=1.0, entry_s=0.75)
+    elastic = Elastic(spares=2, join_s=5.0, entry_s=0.75)
     assert simulate_elastic(JOB, COSTS, elastic, []) == simulate_recover(JOB, COSTS, [])
 
 
-def test_a_spare_enters_at_the_first_boundary_after_its_transfer():
-    # As in test_recover_by_hand, step 0 commits at 13.75 on 3 replicas; the spare promoted at
-    # t=11 is ready at 12 (promote_s 1), so it enters at the boundary 13.75 with a 0.75 s
-    # stall: 9 steps at full size, 2.5 s each.
-    elastic = Elastic(spares=1, join_s=100.0, promote_s=1.0, entry_s=0.75)
+def test_a_spare_enters_the_recovery_itself():
+    # As in test_recover_by_hand, 3 microbatches of step 0 are kept at the loss (t=11); the
+    # spare enters the recovering generation (no second stall): the 5 left on 4 replicas,
+    # ceil(5/4) x 1 + 0.5 after the 0.25 s stall -> 13.75, then 9 steps at full size.
+    elastic = Elastic(spares=1, join_s=100.0, entry_s=0.75)
     assert simulate_elastic(JOB, COSTS, elastic, [(11.0, 3, None)]) == \
-        pytest.approx(13.75 + 0.75 + 9 * 2.5)
+        pytest.approx(13.75 + 9 * 2.5)
 
 
 def test_a_restarted_slot_rejoins_in_the_background_and_extra_ones_wait_as_spares():
     # No spares: the slot is back at 12 and ready at 12 + join_s 3 = 15: steps 1 (13.75 ->
     # 17.25) runs on 3, the replica enters at 17.25 (+0.75), then 8 steps at full size.
-    elastic = Elastic(spares=0, join_s=3.0, promote_s=1.0, entry_s=0.75)
+    elastic = Elastic(spares=0, join_s=3.0, entry_s=0.75)
     assert simulate_elastic(JOB, COSTS, elastic, [(11.0, 3, 12.0)]) == \
         pytest.approx(17.25 + 0.75 + 8 * 2.5)
-    # With a spare as well, the spare enters at 13.75 and the returning slot, ready at 15,
-    # finds the job full: it becomes a spare and nobody stalls again.
-    with_spare = Elastic(spares=1, join_s=3.0, promote_s=1.0, entry_s=0.75)
+    # With a spare as well, the spare enters the recovery and the returning slot, ready at
+    # 15, finds the job full: it becomes a spare and nobody stalls again.
+    with_spare = Elastic(spares=1, join_s=3.0, entry_s=0.75)
     assert simulate_elastic(JOB, COSTS, with_spare, [(11.0, 3, 12.0)]) == \
-        pytest.approx(13.75 + 0.75 + 9 * 2.5)
+        pytest.approx(13.75 + 9 * 2.5)
 
 
 def test_projections_come_back_faster_with_spares():

@@ -101,6 +101,19 @@ class Harness:
             await self.coord.applied(replica, pb.Applied(step=step, param_sha256=digest))
 
 
+async def with_a_spare() -> tuple[Harness, pb.Join]:
+    """A started job of 2 members (M = 4) and replica 2 on agent "spare" that loaded a
+    snapshot of step 0: the job has its members, so it waits as a hot spare."""
+    h = Harness(make_job(replicas=2, steps=10, m=4))
+    h.job.spares = 1
+    await h.start()
+    await h.coord.register_agent("spare", "h", 1)  # room for one spare
+    await h.coord.worker_ready(2, pb.Ready(pid=102, transfer_address="10.0.0.2:7000"))
+    join = h.messages("join")[-1][1]
+    h.coord.joins.progress(2, pb.JoinProgress(step=0, donor=join.donor, attempt=join.attempt))
+    return h, join
+
+
 def plan_dict(plan: pb.Plan) -> dict[int, tuple[int, ...]]:
     return {a.replica: tuple(a.microbatch_ids) for a in plan.assignments}
 

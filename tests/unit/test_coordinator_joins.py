@@ -7,7 +7,7 @@ from __future__ import annotations
 from recover.controller.jobstate import JobState
 from recover.controller.joins import MAX_ATTEMPTS
 from recover.proto import pb
-from tests.unit.coordinator_harness import Harness, make_job, plan_dict, scenario
+from tests.unit.coordinator_harness import Harness, make_job, plan_dict, scenario, with_a_spare
 
 
 def ready(replica: int) -> pb.Ready:
@@ -63,21 +63,34 @@ async def test_a_restarted_worker_gets_a_fresh_id_joins_and_enters_at_a_commit()
 
 @scenario
 async def test_a_joiner_behind_the_commit_waits_and_one_beyond_capacity_is_a_spare():
-    h = Harness(make_job(replicas=2, steps=10, m=4))
-    h.job.spares = 1
-    await h.start()
-    await h.coord.register_agent("spare", "h", 1)  # room for one spare
-    await h.coord.worker_ready(2, ready(2))
-    join = h.messages("join")[-1][1]
-    h.coord.joins.progress(2, pb.JoinProgress(step=0, donor=join.donor, attempt=join.attempt))
+    h, join = await with_a_spare()
     await commit(h)  # the job has its 2 members: the caught-up joiner stays a spare
     assert h.coord.members == [0, 1] and h.messages("commit")[-1][1].HasField("next_plan")
     h.coord.joins.progress(2, pb.JoinProgress(step=1, donor=join.donor, attempt=join.attempt))
     assert h.coord.joins.spares == [2]
+    plan = plan_dict(h.messages("commit")[-1][1].next_plan)
     await h.coord.worker_exited(pb.WorkerExited(replica=0, signal=9))
-    assert h.coord.members == [1]
-    await commit(h)  # the spare, caught up to step 1, enters at step 2
+    # The spare holds step 1's state: it enters the recovery generation itself (one group
+    # rebuild, not two), sharing the lost replica's microbatches with the survivor.
+    view = h.messages("generation")[-1][1]
+    assert h.coord.members == [1, 2] and list(view.members) == [1, 2]
+    assert view.plan.step == 1
+    assert plan_dict(view.plan) == {1: (*plan[1], plan[0][1]), 2: (plan[0][0],)}
+    assert [e.step for e in h.events("spare-promoted")] == [1]
+    await commit(h)
     assert h.coord.members == [1, 2] and h.coord.step == 2
+
+
+@scenario
+async def test_a_spare_still_catching_up_at_a_loss_enters_at_the_next_boundary():
+    h, join = await with_a_spare()
+    await commit(h)  # a spare; step 0's gradient is still on its way to it
+    await h.coord.worker_exited(pb.WorkerExited(replica=0, signal=9))
+    assert h.coord.members == [1]  # it lacks step 0: it cannot compute step 1 yet
+    h.coord.joins.progress(2, pb.JoinProgress(step=1, donor=join.donor, attempt=join.attempt))
+    await commit(h)  # caught up to step 1: it enters at step 2
+    assert h.coord.members == [1, 2] and h.coord.step == 2
+    assert [e.step for e in h.events("spare-promoted")] == [2]
 
 
 @scenario

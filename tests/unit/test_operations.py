@@ -8,7 +8,7 @@ import pytest
 from recover.controller.jobstate import JobState
 from recover.controller.operations import drain_decision, spares_decision, stop_decision
 from recover.proto import pb
-from tests.unit.coordinator_harness import Harness, make_job, scenario
+from tests.unit.coordinator_harness import Harness, make_job, scenario, with_a_spare
 
 RUNNING, WAITING = JobState.RUNNING, JobState.WAITING
 
@@ -113,13 +113,7 @@ async def test_a_drained_agent_leaves_at_the_boundary_without_a_failure():
 
 @scenario
 async def test_fewer_spares_stop_the_newest_spare_without_a_failure():
-    h = Harness(make_job(replicas=2, steps=10, m=4))
-    h.job.spares = 1
-    await h.start()
-    await h.coord.register_agent("spare", "h", 1)
-    await h.coord.worker_ready(2, pb.Ready(pid=7, transfer_address="10.0.0.2:7000"))
-    join = h.messages("join")[-1][1]
-    h.coord.joins.progress(2, pb.JoinProgress(step=0, donor=join.donor, attempt=join.attempt))
+    h, _ = await with_a_spare()
     assert h.coord.joins.spares == [2]
     decision = await h.coord.set_spares(0, "alice")
     assert decision.accepted and h.coord.job.spares == 0

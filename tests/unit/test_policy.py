@@ -164,6 +164,45 @@ def test_reassign_lost(current, lost, survivors, expected, reason):
     assert {r: tuple(ids) for r, ids in current.items()} == before, "input plan was mutated"
 
 
+@pytest.mark.parametrize(("current", "lost", "survivors", "spares", "expected", "reason"), [
+    pytest.param(
+        {0: (0, 1, 2), 1: (3, 4, 5), 2: (6, 7, 8)}, [1], [0, 2], [5],
+        {0: (0, 1, 2, 4), 2: (6, 7, 8, 5), 5: (3,)},
+        "replicas [1] lost; spares [5] take their place; their 3 microbatches reassigned "
+        "spread evenly, spares first: 1 to replica 0, 1 to replica 2, 1 to replica 5",
+        id="the-lost-work-is-spread-not-all-given-to-the-spare",
+    ),
+    pytest.param(
+        {0: (0, 1), 1: (2, 3), 2: (4, 5)}, [1, 2], [0], [6],
+        {0: (0, 1, 3, 5), 6: (2, 4)},
+        "2 to replica 0, 2 to replica 6",
+        id="two-lost-one-spare",
+    ),
+    pytest.param(
+        {0: (0, 1), 1: (2, 3)}, [0, 1], [], [4, 5],
+        {4: (0, 2), 5: (1, 3)},
+        "spares [4, 5] take their place",
+        id="every-member-lost-spares-carry-the-step",
+    ),
+    pytest.param(
+        {0: (0,), 1: ()}, [1], [0], [3],
+        {0: (0,), 3: ()},
+        "replicas [1] lost with no microbatches; plan unchanged; spares [3] take their place",
+        id="nothing-lost-the-spare-enters-idle",
+    ),
+    pytest.param(
+        {0: (0, 1), 1: (2, 3), 2: (4, 5)}, [2], [0, 1], [7, 8],
+        {0: (0, 1), 1: (2, 3), 7: (4,), 8: (5,)},
+        "1 to replica 7, 1 to replica 8",
+        id="enough-spares-take-it-all",
+    ),
+])
+def test_reassign_lost_to_spares(current, lost, survivors, spares, expected, reason):
+    decision = reassign_lost(current, lost, survivors, spares)
+    assert decision.assignment == expected
+    assert reason in decision.reason
+
+
 @pytest.mark.parametrize(
     ("current", "lost", "survivors", "reason"),
     [
