@@ -71,6 +71,7 @@ class JoinSteps(_Base):
         self.catching_up = True
         try:
             self.load_training_state(catchup.state, catchup.step)
+            self.built_tensors = None  # loaded: nothing of the state as built is needed now
             if self.faults.armed(catchup.step, "join"):
                 self.faults.fire(catchup.step, "join")
             self._report_join(command, catchup)
