@@ -95,6 +95,11 @@ class JoinFlow:
     async def failed(self, replica: int, msg: pb.JoinFailed) -> None:
         c = self.c
         if replica in c.members:
+            if msg.step >= c.step:
+                # It holds every step before the one being computed (a spare that entered a
+                # recovery mid-step, whose donor was the replica lost): nothing is missing.
+                c.stale_reports += 1
+                return
             # Admitted, but its stream broke before it had every step it needed: it cannot
             # enter; recover as from a crash (its agent restarts it).
             await c.worker_lost(replica, f"replica {replica} lost its donor while entering")

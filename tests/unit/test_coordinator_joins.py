@@ -172,6 +172,28 @@ async def test_an_admitted_joiner_whose_stream_broke_is_recovered_like_a_crash()
 
 
 @scenario
+async def test_a_joiner_whose_donor_is_lost_after_its_snapshot_enters_in_its_place():
+    """Replica 0 donates step 1's state and dies; the joiner holds that state, so it enters the
+    recovery of step 1 itself, and its broken stream (the donor is gone) changes nothing."""
+    h = Harness(make_job(replicas=2, steps=10, m=4))
+    await h.start()
+    await commit(h)
+    await h.coord.worker_exited(pb.WorkerExited(replica=1, signal=9))
+    replica = await restart(h, "a1")
+    await h.coord.worker_ready(replica, ready(replica))
+    join = h.messages("join")[-1][1]
+    h.coord.joins.progress(replica, pb.JoinProgress(step=1, donor=join.donor,
+                                                    attempt=join.attempt))
+    await h.coord.worker_exited(pb.WorkerExited(replica=join.donor, signal=9))
+    assert h.coord.members == [replica] and h.coord.step == 1
+    await h.coord.joins.failed(replica, pb.JoinFailed(donor=join.donor, reason="peer closed",
+                                                      attempt=join.attempt, step=1))
+    assert h.coord.members == [replica] and not h.messages("stop_replica")
+    await commit(h)
+    assert h.coord.step == 2
+
+
+@scenario
 async def test_a_joiner_that_dies_changes_no_generation():
     h = Harness(make_job(replicas=2, steps=10, m=4))
     await h.start()
