@@ -17,19 +17,29 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from recover.agent.workers import WorkerProcess
 from recover.common import progress
 
-if TYPE_CHECKING:
-    from recover.agent.daemon import Agent
+
+class AgentReadings(Protocol):
+    """What the collector reads of an agent (the daemon's `Agent`), at scrape time."""
+
+    workers: dict[int, WorkerProcess]
+    generation: int
+    term: int
+    fenced_commands: int
+    reconnects: int
+    heartbeats_sent: int
+    reports_relayed: int
 
 
 class AgentCollector(Collector):
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: AgentReadings) -> None:
         self._agent = agent
 
     def collect(self) -> Iterator[Metric]:

@@ -37,7 +37,8 @@ def check_host(host: str, flag: str = "--host") -> None:
 
 def check_store(url: str, prog: str, timeout_s: float = STORE_TIMEOUT_S) -> None:
     """The store must answer now: a typo in --store should not cost a minute of retries."""
-    from recover.controller.store import StoreError, open_store
+    from recover.controller.store import StoreError
+    from recover.controller.store_url import open_store
 
     try:
         store = open_store(url)

@@ -34,9 +34,10 @@ from recover.controller.jobstate import (
 from recover.controller.joinflow import JoinFlow
 from recover.controller.membership import Membership
 from recover.controller.operations import Operations
+from recover.controller.records import PersistedJob, Records
 from recover.controller.recoveries import RecoveryTracker, observed_phase
 from recover.controller.store import Store
-from recover.controller.takeover import PersistedJob, Takeover
+from recover.controller.takeover import Takeover
 from recover.proto import pb
 
 log = logging.getLogger("recover.controller")
@@ -56,13 +57,14 @@ class Coordinator(Membership, Operations):
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.job = job
-        self._store = store
+        self.records = Records(store, job.job_id)
+        self.policy = policy.policy_for(job.policy)
+        """Who computes which microbatches (the job's `policy`)."""
         self._send = send
         self._rendezvous = rendezvous
         self._agent_timeout_s = agent_timeout_s
         self._clock = clock
-        self._prefix = f"/recover/{job.job_id}/"
-        self.events = EventLog(store, self._prefix + "events/", clock)
+        self.events = EventLog(self.records, clock)
         self.state = JobState.WAITING
         self.reason = ""
         self.agents: dict[str, AgentInfo] = {}
@@ -76,7 +78,7 @@ class Coordinator(Membership, Operations):
         self.redos = 0
         self._progress = StepProgress()
         self.steps: list[pb.StepRecord] = []
-        self.recovery = RecoveryTracker(self.events, self._prefix + "failures/", clock)
+        self.recovery = RecoveryTracker(self.events, self.records, clock)
         self.recoveries = 0
         self.stale_reports = 0
         self._commit_waits: dict[int, list[float]] = {}
@@ -185,10 +187,10 @@ class Coordinator(Membership, Operations):
         self.started_at = self._clock()
         ready = sorted(r for r, info in self.replicas.items() if info.alive and info.ready)
         members, spares = ready[:self.job.replicas], ready[self.job.replicas:]
-        decision = policy.uniform_plan(members, self.job.global_microbatches)
+        decision = self.policy.plan(members, self.job.global_microbatches)
         self.events.emit("started", f"{why}; {len(members)} members; {decision.reason}")
         # For a new leader's summary: what the workers train is known only from `ready`.
-        await self._store.put(self._prefix + "workload", self.workload.SerializeToString())
+        await self.records.save_workload(self.workload)
         await self.new_generation(members, decision)
         for agent_id in sorted({self.replicas[s].agent_id for s in spares}):
             await self._persist_agent(self.agents[agent_id])  # a new leader resumes their joins
@@ -207,8 +209,7 @@ class Coordinator(Membership, Operations):
             rendezvous_prefix=secrets.token_hex(16))
         # The failures and events that led here ride along: a leader deposed right after
         # must not take them with it (its successor's summary reports them).
-        await self._store.put_many([*self.events.take_pending(),
-                                    (self._prefix + "generation", view.SerializeToString())])
+        await self.records.save_view(view, self.events.take_pending())
         self.events.emit("generation", f"members {members}; {decision.reason}",
                          step=self.step, generation=self.generation)
         self.broadcast(pb.ControllerMessage(generation=view))
@@ -229,16 +230,13 @@ class Coordinator(Membership, Operations):
         # Spares holding the state of this very step take the lost members' place in the
         # same new generation (one group rebuild, not a second one at the next boundary)
         # and a share of the lost microbatches; if every member is lost, they carry on.
-        spares = [] if self.job.policy == "drop" or self.last_step_committed else \
+        spares = [] if not self.policy.spares_enter_mid_step or self.last_step_committed else \
             self.joins.entering(self.step, replacing=survivors)
         if not survivors and not spares:
             await self.fail(f"all replicas lost (last: {why})")
             return
         self.recoveries += 1
-        if self.job.policy == "drop":
-            decision = policy.drop_lost(self.plan, lost, survivors)
-        else:
-            decision = policy.reassign_lost(self.plan, lost, survivors, spares)
+        decision = self.policy.reassign(self.plan, lost, survivors, spares)
         await self.new_generation(sorted([*survivors, *spares]), decision)
 
     async def _commit(self) -> None:
@@ -247,9 +245,8 @@ class Coordinator(Membership, Operations):
             await self._redo_overflowed_step(reports)
             return
         assignment = {m: tuple(r.microbatch_ids) for m, r in zip(self.members, reports, strict=True)}
-        planned = [mb for ids in self.plan.values() for mb in ids]
         problem = policy.check_plan(assignment, self.job.global_microbatches,
-                                    planned if self.job.policy == "drop" else None)
+                                    self.policy.expected(self.plan, self.job.global_microbatches))
         if problem is not None:
             await self.fail(f"refusing to commit step {self.step}: {problem}")
             return
@@ -259,30 +256,33 @@ class Coordinator(Membership, Operations):
                              step=self.step, generation=self.generation, level=logging.WARNING)
         job = self.job
         record = step_record(job, self.step, self.generation, reports, self._clock())
+        next_step = self.step + 1
+        final = next_step >= job.steps
+        stop = bool(self.stopping) and not final
+        entering = [] if stop else self.joins.entering(next_step, final=final)
+        leaving = [] if final or stop else self.leaving_at_boundary()
+        # The plan the workers will hold next goes with the commit, and into the store with
+        # it: a new leader resumes from it, never from a plan it re-derives. None when the
+        # membership changes at the boundary: the next generation plans the step then.
+        decision = None if final or stop or entering or leaving else \
+            self.policy.plan(self.members, job.global_microbatches)
+        next_plan = None if decision is None else \
+            plan_message(next_step, self.generation, 0, decision)
         # Durable before anyone applies: a new leader must know this step committed.
         # The previous record rides along in the same write with the parameter
         # digests its members reported since (no extra round trip per step).
         before_store = self._clock()
-        writes = [(f"{self._prefix}steps/{self.step:010d}", record.SerializeToString())]
-        if self.steps:
-            previous = self.steps[-1]
-            writes.append((f"{self._prefix}steps/{previous.step:010d}", previous.SerializeToString()))
-        await self._store.put_many(writes)
+        await self.records.commit_step(record, self.steps[-1] if self.steps else None, next_plan)
         self.recovery.committed(before_store)
         self.steps.append(record)
-        step, self.step = self.step, self.step + 1
+        step, self.step = self.step, next_step
         self.scale_epoch = 0
-        final = self.step >= job.steps
         commit = pb.Commit(step=step, generation=self.generation, final=final,
                            microbatches=record.microbatches, tokens=record.tokens, record=record)
         commit.record.ClearField("sample_ids")  # the digest is the ledger entry workers keep
-        stop = bool(self.stopping) and not final
-        entering = [] if stop else self.joins.entering(self.step, final=final)
-        leaving = [] if final or stop else self.leaving_at_boundary()
-        if not final and not stop and not entering and not leaving:
-            decision = policy.uniform_plan(self.members, job.global_microbatches)
+        if decision is not None and next_plan is not None:
             self.plan = dict(decision.assignment)
-            commit.next_plan.CopyFrom(plan_message(self.step, self.generation, 0, decision))
+            commit.next_plan.CopyFrom(next_plan)
         commit.checkpoint_now = stop
         self._progress.reduced.clear()
         self.broadcast(pb.ControllerMessage(commit=commit))
@@ -294,8 +294,7 @@ class Coordinator(Membership, Operations):
             await self.finish_drains()
         if entering or leaving:  # joiners enter, drained members leave at the step boundary
             members = sorted({*self.members, *entering} - set(leaving))
-            await self.new_generation(members, policy.uniform_plan(members,
-                                                                   job.global_microbatches))
+            await self.new_generation(members, self.policy.plan(members, job.global_microbatches))
 
     async def _redo_overflowed_step(self, reports: list[pb.Reduced]) -> None:
         """Exact reduction overflowed its predicted scale: redo the step at a lower one.
@@ -321,7 +320,7 @@ class Coordinator(Membership, Operations):
         if set(self.members) <= applied and self.stop_pending:
             await self.stop_now()
         elif set(self.members) <= applied:
-            await self._store.put(f"{self._prefix}steps/{last.step:010d}", last.SerializeToString())
+            await self.records.save_step(last)
             self.state = JobState.SUCCEEDED
             self.finished_at = self._clock()
             self.reason = f"{len(self.steps)} steps committed"
@@ -348,7 +347,7 @@ class Coordinator(Membership, Operations):
 
     async def _announce_end(self, success: bool) -> None:
         result = pb.Shutdown(reason=self.reason, success=success, state=str(self.state))
-        await self._store.put(self._prefix + "result", result.SerializeToString())
+        await self.records.save_result(result)
         shutdown = pb.ControllerMessage(shutdown=result)
         for agent in self.agents.values():
             if agent.alive:

@@ -6,25 +6,24 @@ import logging
 import time
 from collections.abc import Callable
 
-from recover.controller.store import Store
+from recover.controller.records import Records, Write
 from recover.proto import pb
 
 log = logging.getLogger("recover.controller")
 
 
 class EventLog:
-    """Append-only, numbered events, mirrored into the store under `prefix`.
+    """Append-only, numbered events, mirrored into the job's records.
 
     Events are written to the store behind the critical path: losing the
     last few on a crash costs a line in `recover events`, never correctness.
     """
 
-    def __init__(self, store: Store, prefix: str, clock: Callable[[], float] = time.time) -> None:
-        self._store = store
-        self._prefix = prefix
+    def __init__(self, records: Records, clock: Callable[[], float] = time.time) -> None:
+        self._records = records
         self._clock = clock
         self._events: list[pb.Event] = []
-        self._pending: list[tuple[str, bytes]] = []
+        self._pending: list[Write] = []
 
     def emit(
         self,
@@ -46,7 +45,7 @@ class EventLog:
             message=message,
         )
         self._events.append(event)
-        self._pending.append((f"{self._prefix}{event.seq:012d}", event.SerializeToString()))
+        self._pending.append(self._records.event_write(event))
         log.log(
             level,
             "%s: %s",
@@ -56,9 +55,9 @@ class EventLog:
         )
         return event
 
-    def defer(self, key: str, value: bytes) -> None:
-        """Write `key` with the next flush (off the critical path, like the events)."""
-        self._pending.append((key, value))
+    def defer(self, write: Write) -> None:
+        """Write this with the next flush (off the critical path, like the events)."""
+        self._pending.append(write)
 
     def restore(self, events: list[pb.Event]) -> None:
         """Continue the log a previous leader persisted (numbering goes on from its last event)."""
@@ -67,9 +66,9 @@ class EventLog:
     async def flush(self) -> None:
         """Persist the events emitted since the last flush."""
         if self._pending:
-            await self._store.put_many(self.take_pending())
+            await self._records.store.put_many(self.take_pending())
 
-    def take_pending(self) -> list[tuple[str, bytes]]:
+    def take_pending(self) -> list[Write]:
         """The writes waiting for the next flush, handed over to ride along with a write the
         caller makes anyway (a new generation): what led to it is then never lost with a
         leader that is deposed right after."""

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+from recover.controller.records import JobKeys
 from recover.controller.store import Compare, KeyChange, Store, StoreError, Write
 from recover.proto import pb
 
@@ -93,8 +94,9 @@ class LeaderElection:
         self.controller_id = controller_id
         self.config = config or ElectionConfig()
         self._clock = clock
-        self.leader_key = f"/recover/{job_id}/leader"
-        self.term_key = f"/recover/{job_id}/term"
+        keys = JobKeys(job_id)
+        self.leader_key = keys.leader
+        self.term_key = keys.term
         self.role = Role.STANDBY
         self.term = 0
         self.lease = 0

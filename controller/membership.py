@@ -58,9 +58,7 @@ class Membership(_Base):
             info = self.replicas.get(r)
             if info is not None and info.alive and info.transfer_address:
                 record.join_addresses[r] = info.transfer_address
-        await self._store.put_many([(self._prefix + "job", self.job.SerializeToString()),
-                                    (f"{self._prefix}agents/{agent.agent_id}",
-                                     record.SerializeToString())])
+        await self.records.save_agent(self.job, record)
 
     async def register_agent(self, agent_id: str, host: str, slots: int,
                              resume: list[int] | None = None, subject: str = "") -> list[int]:

@@ -15,7 +15,6 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from recover.controller import policy
 from recover.controller.jobstate import TERMINAL, JobState
 from recover.proto import pb
 
@@ -121,8 +120,13 @@ class Operations(_Base):
         decision, extra = spares_decision(spares, self.job.spares, self.joins.spares)
         if not decision.accepted or spares == self.job.spares:
             return decision
-        self.job.spares = spares
-        await self._store.put(self._prefix + "job", self.job.SerializeToString())
+        # A new config, stored before it is in force (the old one is never edited in place:
+        # messages already built from it keep what they said).
+        job = pb.JobConfig()
+        job.CopyFrom(self.job)
+        job.spares = spares
+        await self.records.save_job(job)
+        self.job = job
         for replica in extra:
             self._retire(replica, f"spares reduced to {spares} by {by}")
         self.events.emit("spares-changed", f"by {by}: {decision.reason}", step=self.step)
@@ -154,7 +158,3 @@ class Operations(_Base):
             self.events.emit("drained", f"agent {agent_id} left the job", step=self.step,
                              level=logging.INFO)
         self.draining.clear()
-
-    def plan_without(self, leaving: list[int]) -> tuple[list[int], policy.PlanDecision]:
-        members = [m for m in self.members if m not in leaving]
-        return members, policy.uniform_plan(members, self.job.global_microbatches)

@@ -8,6 +8,7 @@ tested table-style. M never changes: a plan always covers microbatches
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -151,6 +152,72 @@ def check_plan(assignment: Mapping[int, Sequence[int]], global_microbatches: int
     return (f"plan covers the wrong microbatches: missing {missing}, duplicated {duplicated}"
             + (f", outside 0..{global_microbatches - 1}: {out_of_range}" if out_of_range else "")
             + (f", not planned this step: {unplanned}" if unplanned else ""))
+
+
+class PlanPolicy(ABC):
+    """Who computes what: the one place a job's `policy` setting is looked at.
+
+    The coordinator asks a policy for every plan (at the start, at each commit, when the
+    membership changes at a step boundary) and for every change mid-step (a loss); each
+    answer is a PlanDecision with its reason. Quota policies plug in here.
+    """
+
+    name: str = ""
+    spares_enter_mid_step: bool = True
+    """May a caught-up spare take a lost member's place inside the step being recovered?"""
+
+    def plan(self, members: Sequence[int], global_microbatches: int) -> PlanDecision:
+        """The plan of a step that nobody has started yet."""
+        return uniform_plan(members, global_microbatches)
+
+    @abstractmethod
+    def reassign(self, current: Mapping[int, Sequence[int]], lost: Sequence[int],
+                 survivors: Sequence[int], spares: Sequence[int] = ()) -> PlanDecision:
+        """The plan of a step in flight after `lost` went: survivors keep what they had."""
+
+    def expected(self, current: Mapping[int, Sequence[int]],
+                 global_microbatches: int) -> list[int] | None:
+        """The microbatch ids a commit of the step planned as `current` must cover (None:
+        all of 0..M-1, the invariant)."""
+        return None
+
+
+class RecoverPolicy(PlanPolicy):
+    """ReCoVer's own: uniform quotas; a lost replica's microbatches are recomputed by the
+    survivors (and spares) inside the step, so every step sums all M."""
+
+    name = "recover"
+
+    def reassign(self, current: Mapping[int, Sequence[int]], lost: Sequence[int],
+                 survivors: Sequence[int], spares: Sequence[int] = ()) -> PlanDecision:
+        return reassign_lost(current, lost, survivors, spares)
+
+
+class DropPolicy(PlanPolicy):
+    """The shrinking-batch ablation (drop_lost): a lost replica's microbatches are dropped,
+    so a step commits with what its planned survivors computed."""
+
+    name = "drop"
+    spares_enter_mid_step = False
+
+    def reassign(self, current: Mapping[int, Sequence[int]], lost: Sequence[int],
+                 survivors: Sequence[int], spares: Sequence[int] = ()) -> PlanDecision:
+        return drop_lost(current, lost, survivors)
+
+    def expected(self, current: Mapping[int, Sequence[int]],
+                 global_microbatches: int) -> list[int] | None:
+        return [mb for ids in current.values() for mb in ids]
+
+
+POLICIES: dict[str, type[PlanPolicy]] = {p.name: p for p in (RecoverPolicy, DropPolicy)}
+
+
+def policy_for(name: str) -> PlanPolicy:
+    """The policy a job names (`""`: the default, recover)."""
+    try:
+        return POLICIES[name or RecoverPolicy.name]()
+    except KeyError:
+        raise PolicyError(f"unknown policy {name!r}: use one of {', '.join(POLICIES)}") from None
 
 
 MAX_SCALE_EPOCHS = 3

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable, Collection
 
 from recover.controller.events import EventLog
+from recover.controller.records import Records
 from recover.proto import pb
 
 PHASES = ("detect", "plan", "rebuild", "recompute", "commit")
@@ -30,9 +31,9 @@ def observed_phase(replica: int, *, started: bool, resumed: Collection[int],
 
 
 class RecoveryTracker:
-    def __init__(self, events: EventLog, key_prefix: str, clock: Callable[[], float]) -> None:
+    def __init__(self, events: EventLog, records: Records, clock: Callable[[], float]) -> None:
         self._events = events
-        self._key_prefix = key_prefix
+        self._records = records
         self._clock = clock
         self.failures: list[pb.FailureRecord] = []
         self.timings: list[dict[str, float]] = []
@@ -55,7 +56,7 @@ class RecoveryTracker:
             failure.killed_at = exited.fault.killed_at
             failure.step = exited.fault.step
         self.failures.append(failure)
-        self._events.defer(f"{self._key_prefix}{len(self.failures):06d}", failure.SerializeToString())
+        self._events.defer(self._records.failure_write(len(self.failures), failure))
         if during_training:
             self._unrecovered.append(failure)
         detail = f" ({exited.killed_by_agent})" if exited is not None and exited.killed_by_agent else ""

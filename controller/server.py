@@ -19,11 +19,11 @@ from prometheus_client import CollectorRegistry, start_http_server
 from recover.common import ckptfile
 from recover.common.netaddr import is_loopback
 from recover.common.security import Authenticator, Security, server_credentials
-from recover.controller import takeover
 from recover.controller.coordinator import Coordinator, JobState
 from recover.controller.gate import Gate, add_service
 from recover.controller.leader import ElectionConfig, LeaderElection, LeaderStore, LostLeadership
 from recover.controller.metrics import ControllerCollector, RoleCollector
+from recover.controller.records import Records
 from recover.controller.rendezvous import RendezvousHost
 from recover.controller.service import (
     KEEPALIVE_SERVER_OPTIONS,
@@ -31,7 +31,8 @@ from recover.controller.service import (
     ControlService,
     run_report,
 )
-from recover.controller.store import Store, StoreError, open_store
+from recover.controller.store import Store, StoreError
+from recover.controller.store_url import open_store
 from recover.controller.summary import build_summary, write_summary
 from recover.proto import pb
 
@@ -195,7 +196,7 @@ async def _lead(config: ControllerConfig, job: pb.JobConfig, election: LeaderEle
                               agent_timeout_s=config.agent_timeout_s)
     coordinator.start_timeout_s = config.start_timeout_s
     coordinator.start_grace_s = config.start_grace_s
-    persisted = await takeover.load(store, f"/recover/{job.job_id}/")
+    persisted = await Records(store, job.job_id).load()
     resumed_from = (ckptfile.read_meta(Path(job.resume.path), verify=False)[0]
                     if job.resume.path else None)
     if not persisted.empty:

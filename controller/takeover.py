@@ -19,12 +19,11 @@ the old leader queued but never delivered; the takeover makes that moot:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from recover.controller import policy
 from recover.controller.jobstate import AgentInfo, JobState, RegistrationRefused, ReplicaInfo
-from recover.controller.store import Store
+from recover.controller.records import PersistedJob
 from recover.proto import pb
 
 if TYPE_CHECKING:
@@ -33,68 +32,27 @@ if TYPE_CHECKING:
 log = logging.getLogger("recover.controller")
 
 
-@dataclass
-class PersistedJob:
-    """What the store holds of a job (everything a new leader rebuilds from)."""
-
-    job: pb.JobConfig | None = None
-    view: pb.GenerationView | None = None
-    """The last generation, written before it was broadcast (None: the job never started)."""
-    steps: list[pb.StepRecord] = field(default_factory=list)
-    agents: list[pb.AgentRecord] = field(default_factory=list)
-    failures: list[pb.FailureRecord] = field(default_factory=list)
-    events: list[pb.Event] = field(default_factory=list)
-    result: pb.Shutdown | None = None
-    """How the job ended, when it did (a new leader then only serves its status)."""
-    workload: pb.WorkloadInfo | None = None
-    """What the workers train, as the first ready replica reported it."""
-
-    @property
-    def empty(self) -> bool:
-        return self.job is None and not self.agents
-
-
-async def load(store: Store, prefix: str) -> PersistedJob:
-    raw_job = await store.get(prefix + "job")
-    raw_view = await store.get(prefix + "generation")
-    raw_result = await store.get(prefix + "result")
-    raw_workload = await store.get(prefix + "workload")
-
-    async def values(sub: str) -> list[bytes]:
-        return [v for _, v in await store.get_prefix(prefix + sub)]
-
-    return PersistedJob(
-        job=pb.JobConfig.FromString(raw_job) if raw_job else None,
-        view=pb.GenerationView.FromString(raw_view) if raw_view else None,
-        steps=[pb.StepRecord.FromString(v) for v in await values("steps/")],
-        agents=[pb.AgentRecord.FromString(v) for v in await values("agents/")],
-        failures=[pb.FailureRecord.FromString(v) for v in await values("failures/")],
-        events=[pb.Event.FromString(v) for v in await values("events/")],
-        result=pb.Shutdown.FromString(raw_result) if raw_result else None,
-        workload=pb.WorkloadInfo.FromString(raw_workload) if raw_workload else None)
-
-
-def resume_plan(view: pb.GenerationView, committed: int, survivors: list[int],
-                global_microbatches: int, drop: bool = False) -> policy.PlanDecision:
+def resume_plan(persisted: PersistedJob, committed: int, survivors: list[int],
+                global_microbatches: int, plans: policy.PlanPolicy) -> policy.PlanDecision:
     """The plan of step `committed` for a new leader's first generation.
 
-    The workers hold the plan of the last view if it is for that step;
-    otherwise (steps committed since) the uniform plan over the view's members
-    that came with the last commit. Survivors keep their microbatches (they
-    may have accumulated them already); a lost member's are reassigned.
+    The workers hold the plan of the last view if it is for that step, else the one the
+    last commit handed them (stored with it): survivors keep their microbatches (they
+    may have accumulated them already); a lost member's are reassigned by the policy. Only
+    when no plan of that step was ever handed out (the commit before it expected a new
+    generation at the boundary) does the policy plan it afresh.
     """
-    members = list(view.members)
-    if view.plan.step == committed:
-        held = {a.replica: tuple(a.microbatch_ids) for a in view.plan.assignments}
-        source = f"generation {view.generation}'s plan of step {committed}"
-    else:
-        held = dict(policy.uniform_plan(members, global_microbatches).assignment)
-        source = f"the uniform plan of step {committed} sent with the last commit"
+    assert persisted.view is not None
+    members = list(persisted.view.members)
+    held, source = persisted.plan_held_for(committed)
+    if held is None:
+        decision = plans.plan(survivors, global_microbatches)
+        return policy.PlanDecision(decision.assignment, f"takeover: {source}; {decision.reason}")
+    assignment = {a.replica: tuple(a.microbatch_ids) for a in held.assignments}
     lost = [m for m in members if m not in survivors]
     if not lost:
-        return policy.PlanDecision(held, f"takeover: members keep {source}")
-    decide = policy.drop_lost if drop else policy.reassign_lost
-    decision = decide(held, lost, survivors)
+        return policy.PlanDecision(assignment, f"takeover: members keep {source}")
+    decision = plans.reassign(assignment, lost, survivors)
     return policy.PlanDecision(decision.assignment, f"takeover from {source}; {decision.reason}")
 
 
@@ -135,6 +93,11 @@ class Takeover:
         by_step = {r.step: r for r in [*(resumed_ledger or []), *persisted.steps]}
         c.steps = [by_step[s] for s in sorted(by_step)]
         c.step = c.steps[-1].step + 1 if c.steps else 0
+        if persisted.job is not None and persisted.job.spares != c.job.spares:
+            job = pb.JobConfig()  # an operator changed the spares under the old leader
+            job.CopyFrom(c.job)
+            job.spares = persisted.job.spares
+            c.job = job
         if persisted.workload is not None:
             c.workload.CopyFrom(persisted.workload)
         c.recovery.failures = list(persisted.failures)
@@ -225,8 +188,8 @@ class Takeover:
         lost = [r for r in lost if r in view.members]  # a lost joiner costs the step nothing
         if lost:
             c.recoveries += 1
-        decision = resume_plan(view, c.step, survivors, c.job.global_microbatches,
-                               drop=c.job.policy == "drop")
+        decision = resume_plan(self.persisted, c.step, survivors, c.job.global_microbatches,
+                               c.policy)
         c.plan = dict(decision.assignment)
         await c.new_generation(survivors, decision)
         for r, address in sorted(self.joiners.items()):

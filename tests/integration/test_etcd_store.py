@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from recover.controller.etcd_store import EtcdStore, parse_etcd_url
-from recover.controller.store import KeyChange, StoreError, open_store
+from recover.controller.store import KeyChange, StoreError
+from recover.controller.store_url import open_store
 from tests.etcd_cluster import EtcdCluster, free_port
 
 

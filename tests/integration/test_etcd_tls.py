@@ -12,7 +12,8 @@ import grpc
 import pytest
 
 from recover.controller.etcd_store import EtcdAccess, EtcdStore, parse_etcd_access
-from recover.controller.store import StoreError, open_store
+from recover.controller.store import StoreError
+from recover.controller.store_url import open_store
 from tests.etcd_cluster import EtcdCluster, TLSFiles, make_tls
 from tests.integration.conftest import run_recover
 

@@ -15,6 +15,8 @@ from recover.controller.leader import (
     LostLeadership,
     lease_verdict,
 )
+from recover.controller.policy import RecoverPolicy
+from recover.controller.records import PersistedJob
 from recover.controller.store import MemoryStore, Write
 from recover.controller.takeover import resume_plan
 from recover.proto import pb
@@ -163,16 +165,27 @@ def view(step: int, assignment: dict[int, list[int]], generation: int = 3) -> pb
         assignments=[pb.Assignment(replica=r, microbatch_ids=ids) for r, ids in assignment.items()]))
 
 
-@pytest.mark.parametrize(("v", "committed", "survivors", "expected", "why"), [
-    pytest.param(view(7, {0: [0, 1, 5], 1: [2, 3, 4]}), 7, [0, 1],
+def stored(step: int, assignment: dict[int, list[int]], generation: int = 3) -> pb.Plan:
+    return view(step, assignment, generation).plan
+
+
+@pytest.mark.parametrize(("v", "plan", "committed", "survivors", "expected", "why"), [
+    pytest.param(view(7, {0: [0, 1, 5], 1: [2, 3, 4]}), None, 7, [0, 1],
                  {0: (0, 1, 5), 1: (2, 3, 4)}, "keep generation 3's plan", id="in-flight-plan-kept"),
-    pytest.param(view(4, {0: [0, 1, 5], 1: [2, 3, 4]}), 7, [0, 1],
-                 {0: (0, 1, 2), 1: (3, 4, 5)}, "uniform plan of step 7", id="steps-since-uniform"),
-    pytest.param(view(7, {0: [0, 1], 1: [2, 3], 2: [4, 5]}), 7, [0, 2],
+    pytest.param(view(4, {0: [0, 1, 5], 1: [2, 3, 4]}), stored(7, {0: [0, 1, 2, 3], 1: [4, 5]}),
+                 7, [0, 1], {0: (0, 1, 2, 3), 1: (4, 5)}, "stored with the last commit",
+                 id="steps-since-stored-plan-kept"),
+    pytest.param(view(4, {0: [0, 1, 5], 1: [2, 3, 4]}), stored(7, {0: [0, 1, 2, 3], 1: [4, 5]}),
+                 7, [1], {1: (4, 5, 0, 1, 2, 3)}, "reassigned", id="stored-plan-lost-member"),
+    pytest.param(view(4, {0: [0, 1, 5], 1: [2, 3, 4]}), stored(5, {0: [0], 1: [1, 2, 3, 4, 5]}),
+                 7, [0, 1], {0: (0, 1, 2), 1: (3, 4, 5)}, "no plan of step 7 was handed out",
+                 id="none-handed-out-planned-afresh"),
+    pytest.param(view(7, {0: [0, 1], 1: [2, 3], 2: [4, 5]}), None, 7, [0, 2],
                  {0: (0, 1, 2), 2: (4, 5, 3)}, "reassigned", id="lost-member-reassigned"),
 ])
-def test_resume_plan(v: pb.GenerationView, committed: int, survivors: list[int],
-                     expected: dict[int, tuple[int, ...]], why: str) -> None:
-    decision = resume_plan(v, committed, survivors, 6)
+def test_resume_plan(v: pb.GenerationView, plan: pb.Plan | None, committed: int,
+                     survivors: list[int], expected: dict[int, tuple[int, ...]], why: str) -> None:
+    persisted = PersistedJob(view=v, plan=plan)
+    decision = resume_plan(persisted, committed, survivors, 6, RecoverPolicy())
     assert decision.assignment == expected
     assert why in decision.reason

@@ -3,11 +3,12 @@ over, the re-sent commit carries its ledger entry, a resumed job keeps its step 
 
 from __future__ import annotations
 
-from recover.controller import takeover
 from recover.controller.coordinator import Coordinator
 from recover.controller.jobstate import JobState
+from recover.controller.policy import PlanDecision, RecoverPolicy
+from recover.controller.records import Records
 from recover.proto import pb
-from tests.unit.coordinator_harness import RENDEZVOUS, Harness, make_job, scenario
+from tests.unit.coordinator_harness import RENDEZVOUS, Harness, make_job, plan_dict, scenario
 
 
 async def commit(h: Harness) -> None:
@@ -22,7 +23,7 @@ async def new_leader(h: Harness, resumed_from: pb.CheckpointMeta | None = None) 
     successor.store, successor.clock = h.store, h.clock
     successor.coord = Coordinator(h.job, h.store, successor.send, RENDEZVOUS,
                                   agent_timeout_s=3.0, clock=h.clock)
-    persisted = await takeover.load(h.store, f"/recover/{h.job.job_id}/")
+    persisted = await Records(h.store, h.job.job_id).load()
     successor.coord.restore(persisted, resumed_from)
     return successor
 
@@ -88,3 +89,52 @@ async def test_a_resumed_job_keeps_its_step_numbers_across_a_takeover():
     assert h2.coord.step == 6 and [r.step for r in h2.coord.steps] == list(range(6))
     assert h2.messages("commit")[0][1].step == 5
     assert h2.messages("generation")[-1][1].plan.step == 6
+
+
+class SkewedPolicy(RecoverPolicy):
+    """Stands for a quota policy (throughput-proportional): the first member computes all
+    but one microbatch. A successor cannot re-derive that (it has no measurements)."""
+
+    def plan(self, members, global_microbatches):
+        first, *rest = members
+        assignment = {first: tuple(range(global_microbatches - len(rest)))}
+        assignment |= {r: (global_microbatches - len(rest) + i,) for i, r in enumerate(rest)}
+        return PlanDecision(assignment, "skewed for the test")
+
+
+@scenario
+async def test_a_new_leader_keeps_the_plan_the_workers_hold():
+    """Issue 19: the plan a commit hands the workers is stored with it; a failover after
+    that commit resumes the step with exactly that plan, not one the successor re-derives."""
+    h = Harness(make_job(replicas=2, steps=10, m=6))
+    h.coord.policy = SkewedPolicy()
+    await h.start()
+    await commit(h)
+    held = plan_dict(h.messages("commit")[-1][1].next_plan)
+    assert held == {0: (0, 1, 2, 3, 4), 1: (5,)}  # what the workers now hold for step 1
+
+    h2 = await new_leader(h)  # its own policy is the default, uniform one
+    for agent, replicas in (("a0", [0]), ("a1", [1])):
+        await h2.coord.register_agent(agent, "host-" + agent, 1, resume=replicas)
+    (_, view), = h2.messages("generation")[:1]
+    assert view.plan.step == 1 and plan_dict(view.plan) == held
+    assert "stored with the last commit" in view.plan.reason
+    assert h2.coord.plan == held
+
+
+@scenario
+async def test_a_new_leader_reassigns_a_lost_members_share_of_the_stored_plan():
+    h = Harness(make_job(replicas=3, steps=10, m=6))
+    h.coord.policy = SkewedPolicy()
+    await h.start()
+    await commit(h)
+    h2 = await new_leader(h)
+    for agent, replicas in (("a0", [0]), ("a2", [2])):  # a1 never comes back
+        await h2.coord.register_agent(agent, "host-" + agent, 1, resume=replicas)
+    h.clock.now += 2 * 3.0
+    for agent in ("a0", "a2"):
+        h2.coord.heartbeat(agent)
+    await h2.coord.check_liveness()
+    (_, view), = h2.messages("generation")[:1]
+    # Survivors keep the stored quotas (0: four, 2: one); the lost member's one goes on.
+    assert plan_dict(view.plan) == {0: (0, 1, 2, 3), 2: (5, 4)}
