@@ -47,6 +47,7 @@ from recover.trainer.determinism import check_determinism as run_determinism_che
 from recover.trainer.digest import parameter_digest
 from recover.trainer.errors import WorkloadError, contract_error
 from recover.trainer.executor import StepExecutor
+from recover.trainer.faults import hooks_for
 from recover.trainer.gradients import GradientBuckets, GradientLayoutError
 from recover.trainer.reduction import make_accumulator
 from recover.trainer.sources import as_source
@@ -211,8 +212,11 @@ def train(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                                gradient_buckets=grads.describe(),
                                samples_per_microbatch=workload.source.samples_per_microbatch or 0)
         first_step = proto.resume.step if proto.resume.path else 0
+        hooks = hooks_for(proto.testing, job.replica, channel.note_fault,
+                          beacon.mark_killed if beacon is not None else None)
         executor = StepExecutor(proto, job.replica, channel, workload, grads, accumulator,
-                                first_step=first_step, beacon=beacon, listener=listener)
+                                first_step=first_step, beacon=beacon, listener=listener,
+                                hooks=hooks)
         if proto.resume.path:
             executor.resume = proto.resume  # loaded at the first generation, if no donor's first
         _check_state_travels(executor)

@@ -15,101 +15,34 @@ What a microbatch *is* (data, loss, backward) and what applying a step means
 from __future__ import annotations
 
 import logging
-import math
-import threading
 import time
-from typing import Any
 
-import torch
-
-from recover.common.ckptfile import CheckpointError
-from recover.common.progress import ProgressBeacon
 from recover.proto import pb
-from recover.trainer.channel import AgentChannel
-from recover.trainer.checkpoint import FINAL_WRITE_WAIT_S, CheckpointWriter
-from recover.trainer.checkpoint import load as load_checkpoint
-from recover.trainer.collectives import CollectiveAborted, GenerationGroup, GroupSpec
+from recover.trainer.checkpoint import FINAL_WRITE_WAIT_S
 from recover.trainer.commits import CommitAction, judge_commit
-from recover.trainer.destinations import OwnTensors
 from recover.trainer.digest import parameter_digest
-from recover.trainer.errors import call_user, contract_error
-from recover.trainer.faults import FaultInjector
-from recover.trainer.gradients import GradientBuckets
-from recover.trainer.joining import Donation
+from recover.trainer.errors import call_user
+from recover.trainer.groups import CollectiveAborted, GroupSpec
 from recover.trainer.joinsteps import JoinSteps
-from recover.trainer.reduction import Accumulator
 from recover.trainer.stepstate import ORPHAN_WAIT_S, StepState, TrainingEnded
-from recover.trainer.transfer import Listener
-from recover.trainer.workload import StepInfo, Workload
+from recover.trainer.workload import StepInfo
 
 log = logging.getLogger("recover.trainer")
 
+
 class StepExecutor(JoinSteps):
-    def __init__(self, job: pb.JobConfig, replica: int, channel: AgentChannel, workload: Workload,
-                 grads: GradientBuckets, accumulator: Accumulator, first_step: int = 0,
-                 beacon: ProgressBeacon | None = None, listener: Listener | None = None) -> None:
-        self.job = job
-        self.replica = replica
-        self.channel = channel
-        self.workload = workload
-        self.beacon = beacon
-        self.grads = grads
-        self.accumulator = accumulator
-        self.faults = FaultInjector(job.testing.faults, replica, channel.note_fault,
-                                    beacon.mark_killed if beacon is not None else None)
-        self.generation = 0
-        self.members: list[int] = []
-        self.group: GenerationGroup | None = None
-        self.state = StepState(step=first_step)
-        self.finished = False
-        self.steps_applied = 0
-        self._reported_at = 0.0
-        self.listener = listener
-        """Where a donor's state arrives when this replica joins a running job."""
-        self.donations: list[Donation] = []
-        self.ledger: list[pb.StepRecord] = []
-        """Every committed step's record, kept with the state: a checkpoint carries it."""
-        self.checkpoints: CheckpointWriter | None = None
-        self._admission: pb.GenerationView | None = None
-        """A joiner's first generation, held until it has caught up to the view's step."""
-        self._pending_join: pb.Join | None = None
-        self.catching_up = False
-        """Applying a donor's stream: a generation ahead of this replica is held, not fatal."""
-        self.state_loaded = False
-        """The state came from a donor or a checkpoint (else: the model as the user built it)."""
-        self.resume: pb.ResumePoint | None = None
-        """A checkpoint to load before the first generation, unless a donor's state came first."""
-        self.built_tensors: OwnTensors | None = None
-        """The state as built, offered to a join's snapshot to be received into in place."""
-        # Guards the hand-over between the receiver thread (which learns of new
-        # generations first) and the main thread (which owns the group).
-        self._group_lock = threading.Lock()
-        self._newest_seen = 0
-        channel.set_generation_hook(self._on_generation_seen)
+    """One replica's training loop: commands in, microbatches, reductions, commits.
 
-    # ------------------------------------------------------------ abort path
-
-    def _on_generation_seen(self, generation: int) -> None:
-        """Receiver thread: a newer generation makes the current group's collectives moot."""
-        with self._group_lock:
-            self._newest_seen = max(self._newest_seen, generation)
-            if self.group is not None and self.group.spec.generation < generation:
-                self.group.abort()
-
-    def _install_group(self, group: GenerationGroup | None) -> None:
-        with self._group_lock:
-            old, self.group = self.group, group
-            if group is not None and self._newest_seen > group.spec.generation:
-                group.abort()  # the view was superseded before we even started
-        if old is not None:
-            old.abort()
-            old.close()
+    Built with the job, the replica's channel to its agent, the workload and its
+    accumulator (executorbase.ExecutorBase). What the cross-replica group is comes from
+    its `groups` factory (gloo unless told otherwise), and test concerns (faults,
+    emulated compute) from its `hooks`: the executor knows neither.
+    """
 
     # ------------------------------------------------------------ main loop
 
     def run(self, ready: pb.Ready) -> pb.Shutdown:
-        if self.faults.armed(self.state.step, "startup"):
-            self.faults.fire(self.state.step, "startup")
+        self.hooks.on_startup(self.state.step)
         self.channel.send(pb.WorkerReport(ready=ready))
         try:
             while True:
@@ -182,13 +115,13 @@ class StepExecutor(JoinSteps):
         self.state.reduced = None  # reduced in an older generation: discard, reduce again
         started = time.monotonic()
         host, _, port = view.rendezvous.rpartition(":")
-        group = GenerationGroup(GroupSpec(
+        group = self.build_group(GroupSpec(
             generation=view.generation, rank=self.members.index(self.replica),
             world_size=len(self.members), store_host=host, store_port=int(port),
             timeout_s=self.job.group_timeout_s or 30.0, secret=view.rendezvous_prefix))
         self._install_group(group)
-        if recovering and self.faults.armed(self.state.step, "rebuild"):
-            self.faults.fire_soon(self.state.step, "rebuild")
+        if recovering:
+            self.hooks.on_rebuild(self.state.step)
         try:
             group.connect()
         except CollectiveAborted as exc:
@@ -230,23 +163,18 @@ class StepExecutor(JoinSteps):
             self.beacon.compute_finished()
 
     def _compute_microbatch(self, microbatch: int) -> None:
-        s, faults = self.state, self.faults
+        s, hooks = self.state, self.hooks
         started = time.perf_counter()
         position = len(s.done)
         count = len(s.original) or len(s.assigned)
-        if microbatch not in s.original and faults.armed(s.step, "recompute"):
-            faults.fire(s.step, "recompute")
-        points = faults.microbatch_points(s.step, position, count, self.workload.params)
+        points = hooks.before_microbatch(s.step, position, count,
+                                         recomputed=microbatch not in s.original,
+                                         params=self.workload.params)
         self.accumulator.before_microbatch()
         result = self.workload.compute(s.step, microbatch, points.before_backward)
         points.after_backward()
         self.grads.repair_views()
-        if faults.armed(s.step, "nan", position, count):
-            self.grads.buckets[0].flat[0] = math.nan
-        if self.job.testing.compute_ms > 0:
-            # Emulated accelerator time (--compute-ms): a sleep, not CPU work, so each
-            # slot's capacity is its own instead of a share of the machine's cores.
-            time.sleep(self.job.testing.compute_ms / 1000.0)
+        hooks.after_microbatch(s.step, position, count, self.grads)
         self.accumulator.after_microbatch(result.loss)
         s.done.append(microbatch)
         s.sample_ids.extend(result.sample_ids)
@@ -260,8 +188,7 @@ class StepExecutor(JoinSteps):
         # Copies: an interrupted allreduce leaves its buffer partially reduced,
         # and the local accumulation must survive for the next generation.
         buffers = self.accumulator.buffers()
-        if self.faults.armed(s.step, "reduce"):
-            self.faults.fire_soon(s.step, "reduce")
+        self.hooks.before_reduce(s.step)
         try:
             for buffer in buffers:
                 group.allreduce_sum_(buffer)
@@ -276,8 +203,7 @@ class StepExecutor(JoinSteps):
             reduce_s=time.perf_counter() - started, overflow=s.reduced.overflow,
             scale_epoch=s.scale_epoch, tokens=s.tokens)))
         self._reported_at = time.perf_counter()
-        if self.faults.armed(s.step, "commit"):
-            self.faults.fire(s.step, "commit")
+        self.hooks.after_reported(s.step)
 
     def _apply_commit(self, commit: pb.Commit) -> None:
         s = self.state
@@ -335,40 +261,3 @@ class StepExecutor(JoinSteps):
                 step=step.step, loss=step.loss, lr=lr, grad_norm=norm,
                 microbatches=step.microbatches, tokens=step.tokens, generation=step.generation,
                 replica=self.replica, is_first_replica=first), step=step.step)
-
-    def training_state(self, with_ledger: bool = True) -> dict[str, Any]:
-        """Everything a joiner or a restore needs: the user's state, the exact-reduction
-        scales and the step ledger (references to live tensors: encode() copies). A
-        checkpoint keeps the ledger in its header instead (the controller reads it there)."""
-        state = {"workload": self.workload.state_dict(),
-                 "reduction": self.accumulator.state_dict()}
-        if with_ledger:
-            # Bytes in a tensor, not in the state's tree: the ledger grows with the job, and
-            # a frame's message is bounded while its tensors are not.
-            ledger = bytearray(pb.Ledger(records=self.ledger).SerializeToString())
-            state["ledger"] = (torch.frombuffer(ledger, dtype=torch.uint8) if ledger
-                               else torch.empty(0, dtype=torch.uint8))
-        return state
-
-    def load_training_state(self, state: dict[str, Any], step: int,
-                            ledger: list[pb.StepRecord] | None = None) -> None:
-        self.workload.load_state_dict(state["workload"])
-        self.accumulator.load_state_dict(state["reduction"])
-        if ledger is None:
-            ledger = list(pb.Ledger.FromString(bytes(state["ledger"].numpy())).records)
-        self.ledger = ledger
-        self.state = StepState(step=step)
-        self.state_loaded = True
-
-    def load_checkpoint(self, resume: pb.ResumePoint) -> None:
-        """The state a resumed job starts from (its checksum verified again here)."""
-        try:
-            meta, state = load_checkpoint(resume.path)
-        except (CheckpointError, OSError) as exc:
-            raise contract_error(f"cannot resume from {resume.path}: {exc}",
-                                 where="resume") from None
-        self.load_training_state(state, meta.step, list(meta.ledger))
-        log.info("resumed from %s at step %d", resume.path, meta.step, extra=self._ctx())
-
-    def _ctx(self) -> dict[str, int]:
-        return {"step": self.state.step, "generation": self.generation, "replica": self.replica}

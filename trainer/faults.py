@@ -5,18 +5,27 @@ real SIGKILL of the worker's own process: nothing is cleaned up, sockets are
 dropped by the kernel, exactly as with a crash. Just before it, the worker
 notes the fault to its agent (bounded, best effort) so the failure record can
 say where it happened; recovery never depends on that note.
+
+The executor never calls this module: `hooks_for` turns the job's testing
+config into the `StepHooks` it is handed (hooks.py), a no-op unless the job
+injects faults into this replica or emulates compute.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from recover.proto import pb
+from recover.trainer.hooks import MicrobatchPoints, StepHooks
+
+if TYPE_CHECKING:
+    from recover.trainer.gradients import GradientBuckets
 
 PHASES: dict[str, str] = {
     "forward": "after the forward pass of a microbatch, before its backward",
@@ -88,20 +97,32 @@ def format_fault_spec(spec: pb.FaultSpec) -> str:
     return text + (f",microbatch={spec.microbatch}" if spec.microbatch >= 0 else "")
 
 
+def _sigkill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 class FaultInjector:
-    """Fires this replica's faults; `note` tells the agent first."""
+    """Fires this replica's faults; `note` tells the agent first. `kill` is how the
+    process dies (SIGKILL; an in-process test may end a thread instead)."""
 
     def __init__(self, faults: Iterable[pb.FaultSpec], replica: int,
                  note: Callable[[pb.FaultNote], None],
-                 stamp: Callable[[], None] | None = None) -> None:
+                 stamp: Callable[[], None] | None = None,
+                 kill: Callable[[], None] = _sigkill_self) -> None:
         self._faults = [f for f in faults if f.replica == replica]
         self._note = note
         self._stamp = stamp
+        self._kill = kill
+
+    @property
+    def has_faults(self) -> bool:
+        """Whether any fault targets this replica."""
+        return bool(self._faults)
 
     def _kill_now(self) -> None:
         if self._stamp is not None:
             self._stamp()
-        os.kill(os.getpid(), signal.SIGKILL)
+        self._kill()
 
     def armed(self, step: int, phase: str, position: int | None = None,
               count: int | None = None) -> bool:
@@ -150,7 +171,7 @@ class FaultInjector:
         threading.Timer(delay_s, self._kill_now).start()
 
 
-class MicrobatchFaults:
+class MicrobatchFaults(MicrobatchPoints):
     """The fault points of one microbatch: between its forward and backward (hangs, slow,
     forward), and inside its backward (a gradient hook on a middle parameter)."""
 
@@ -178,3 +199,62 @@ class MicrobatchFaults:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+
+
+class FaultHooks(StepHooks):
+    """The step hooks of a job whose testing config asks for something: its faults that
+    target this replica, each fired at its phase's point, and emulated compute."""
+
+    def __init__(self, injector: FaultInjector, compute_ms: float = 0.0) -> None:
+        self.faults = injector
+        self.compute_s = max(compute_ms, 0.0) / 1000.0
+
+    def _fire_if_armed(self, step: int, phase: str) -> None:
+        if self.faults.armed(step, phase):
+            self.faults.fire(step, phase)
+
+    def on_startup(self, step: int) -> None:
+        self._fire_if_armed(step, "startup")
+
+    def on_rebuild(self, step: int) -> None:
+        if self.faults.armed(step, "rebuild"):  # from a timer: it lands inside connect()
+            self.faults.fire_soon(step, "rebuild")
+
+    def before_microbatch(self, step: int, position: int, count: int, *, recomputed: bool,
+                          params: Sequence[Any]) -> MicrobatchPoints:
+        if recomputed:
+            self._fire_if_armed(step, "recompute")
+        return self.faults.microbatch_points(step, position, count, params)
+
+    def after_microbatch(self, step: int, position: int, count: int,
+                         grads: GradientBuckets) -> None:
+        if self.faults.armed(step, "nan", position, count):
+            grads.buckets[0].flat[0] = math.nan
+        if self.compute_s > 0:
+            # Emulated accelerator time (--compute-ms): a sleep, not CPU work, so each
+            # slot's capacity is its own instead of a share of the machine's cores.
+            time.sleep(self.compute_s)
+
+    def before_reduce(self, step: int) -> None:
+        if self.faults.armed(step, "reduce"):  # from a timer: it lands inside the allreduce
+            self.faults.fire_soon(step, "reduce")
+
+    def after_reported(self, step: int) -> None:
+        self._fire_if_armed(step, "commit")
+
+    def after_snapshot_sent(self, step: int) -> None:
+        self._fire_if_armed(step, "donate")
+
+    def after_snapshot_loaded(self, step: int) -> None:
+        self._fire_if_armed(step, "join")
+
+
+def hooks_for(testing: pb.TestingConfig, replica: int, note: Callable[[pb.FaultNote], None],
+              stamp: Callable[[], None] | None = None) -> StepHooks:
+    """The hooks a replica's executor gets: no-ops unless the job injects faults into this
+    replica or emulates compute. `note` tells the agent of a fault, `stamp` marks the
+    kill in the progress file."""
+    injector = FaultInjector(testing.faults, replica, note, stamp)
+    if not injector.has_faults and testing.compute_ms <= 0:
+        return StepHooks()
+    return FaultHooks(injector, testing.compute_ms)

@@ -56,7 +56,8 @@ class Donation:
                  after_snapshot: Callable[[], None] | None = None) -> None:
         self.joiner = command.joiner
         self._after_snapshot = after_snapshot
-        """Testing-only fault point (`--kill ...,phase=donate`): the donor dies mid-stream."""
+        """The step hooks' point once the snapshot is sent (`--kill ...,phase=donate` kills the
+        donor there, mid-stream); a no-op in production."""
         self._command = command
         self._donor = donor
         self._snapshot = snapshot

@@ -1,4 +1,5 @@
-"""The executor's side of joins (a mixin of StepExecutor, whose state it shares).
+"""The executor's side of joins: a layer of StepExecutor, built on the state it shares
+(executorbase.py) and on the step operations StepExecutor implements.
 
 A member donates: on the controller's word it snapshots its state between two
 steps and streams it, then every step it commits, to the joiner (joining.py
@@ -8,27 +9,21 @@ streamed step as the donor did, and enters the generation that admits it.
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import TYPE_CHECKING
 
 from recover.proto import pb
 from recover.trainer.destinations import own_tensors
+from recover.trainer.executorbase import ExecutorBase
 from recover.trainer.joining import Catchup, Donation, catch_up_step
 from recover.trainer.statewire import encode
 from recover.trainer.stepstate import ORPHAN_WAIT_S
 from recover.trainer.transfer import TransferError
 
-if TYPE_CHECKING:
-    from recover.trainer.executor import StepExecutor
-
-    _Base = StepExecutor
-else:
-    _Base = object
-
 log = logging.getLogger("recover.trainer")
 
 
-class JoinSteps(_Base):
+class JoinSteps(ExecutorBase):
     # ------------------------------------------------------------ joins: the donor's side
 
     def _donate(self, command: pb.Donate) -> None:
@@ -36,10 +31,9 @@ class JoinSteps(_Base):
         and stream it, then every step committed from now on, to the joiner."""
         snapshot = encode(self.training_state())
         self.donations = [d for d in self.donations if not d.done.is_set()]
-        step, faults = self.state.step, self.faults
-        after_snapshot = ((lambda: faults.fire(step, "donate"))
-                          if faults.armed(step, "donate") else None)
-        self.donations.append(Donation(command, self.replica, snapshot, step, after_snapshot))
+        step = self.state.step
+        self.donations.append(Donation(command, self.replica, snapshot, step,
+                                       functools.partial(self.hooks.after_snapshot_sent, step)))
         log.info("donating state of step %d to replica %d (%.1f MB)", self.state.step,
                  command.joiner, snapshot.nbytes / 1e6, extra=self._ctx())
 
@@ -72,8 +66,7 @@ class JoinSteps(_Base):
         try:
             self.load_training_state(catchup.state, catchup.step)
             self.built_tensors = None  # loaded: nothing of the state as built is needed now
-            if self.faults.armed(catchup.step, "join"):
-                self.faults.fire(catchup.step, "join")
+            self.hooks.after_snapshot_loaded(catchup.step)
             self._report_join(command, catchup)
             while (committed := catchup.next()) is not None:
                 self._apply(committed.grads, committed.step, None)

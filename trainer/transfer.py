@@ -10,7 +10,7 @@ the raw bytes of the tensors the message describes, received straight into
 their destination (no pickle, no intermediate copy).
 
 Sockets here are claimed from the generation groups' socket sweep
-(`collectives.exclude_sockets`): a join must not be cut by an aborted
+(`groups.gloo.exclude_sockets`): a join must not be cut by an aborted
 allreduce of the donor, nor an allreduce by a failed join.
 """
 
@@ -28,7 +28,7 @@ import torch
 from google.protobuf.message import DecodeError, Message
 
 from recover.proto import pb
-from recover.trainer import collectives
+from recover.trainer.groups import gloo
 from recover.trainer.statewire import as_bytes, empty_tensors
 
 MAGIC = b"RCVR"
@@ -72,7 +72,7 @@ class Stream:
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
-        collectives.exclude_sockets([sock])
+        gloo.exclude_sockets([sock])
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sent_bytes = 0
@@ -147,7 +147,7 @@ class Stream:
             done += got
 
     def close(self) -> None:
-        collectives.include_sockets([self._sock])
+        gloo.include_sockets([self._sock])
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:

@@ -1,4 +1,4 @@
-"""Integration tests for recover.trainer.collectives: real processes, real signals, gloo on CPU.
+"""Integration tests for recover.trainer.groups.gloo: real processes, real signals, gloo on CPU.
 
 Each worker is this file run as a script (``python test_collectives.py <json>``): it
 prints one JSON event per line on stdout (times from ``time.monotonic()``, which is
@@ -43,8 +43,8 @@ def _emit(ev: str, **kw: Any) -> None:
 def _worker(cfg: dict[str, Any]) -> None:
     import torch
 
-    from recover.trainer import collectives
-    from recover.trainer.collectives import CollectiveAborted, GenerationGroup, GroupSpec
+    from recover.trainer.groups import CollectiveAborted, GroupSpec, gloo
+    from recover.trainer.groups.gloo import GenerationGroup
 
     torch.set_num_threads(1)
     port, rank, world, mode = cfg["port"], cfg["rank"], cfg["world"], cfg["mode"]
@@ -92,7 +92,7 @@ def _worker(cfg: dict[str, Any]) -> None:
     # White-box: every socket of the generation must be gone once close() returns
     # (nothing, e.g. an exception's traceback, may keep the group alive).
     owned = group._owned or set()
-    leaked = len(owned & set(collectives._socket_inodes()))
+    leaked = len(owned & set(gloo._socket_inodes()))
     _emit("closed", close_s=close_s, owned=len(owned), leaked=leaked)
     if mode == "sum":
         return
@@ -163,7 +163,7 @@ class Worker:
 
 @pytest.fixture
 def server() -> Iterator[Any]:
-    from recover.trainer.collectives import RendezvousServer
+    from recover.trainer.groups.gloo import RendezvousServer
 
     srv = RendezvousServer()
     yield srv
@@ -279,8 +279,8 @@ def test_abort_connect_to_unreachable_store() -> None:
     down; connect() must still raise as soon as abort() is called."""
     import socket
 
-    from recover.trainer import collectives
-    from recover.trainer.collectives import CollectiveAborted, GenerationGroup, GroupSpec
+    from recover.trainer.groups import CollectiveAborted, GroupSpec, gloo
+    from recover.trainer.groups.gloo import GenerationGroup
 
     with socket.socket() as s:  # a free port that nobody listens on
         s.bind(("127.0.0.1", 0))
@@ -297,9 +297,9 @@ def test_abort_connect_to_unreachable_store() -> None:
     timer.join()
     group.close()
     # White-box: the abandoned builder keeps retrying until timeout_s, then ends.
-    for builder in list(collectives._BUILDERS):
+    for builder in list(gloo._BUILDERS):
         builder.join(timeout=10)
-    assert not collectives._BUILDERS
+    assert not gloo._BUILDERS
 
 
 def test_rendezvous_server_free_port() -> None:
@@ -307,7 +307,7 @@ def test_rendezvous_server_free_port() -> None:
 
     import torch.distributed as dist
 
-    from recover.trainer.collectives import RendezvousServer
+    from recover.trainer.groups.gloo import RendezvousServer
 
     a, b = RendezvousServer(), RendezvousServer()
     try:

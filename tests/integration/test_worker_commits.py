@@ -2,7 +2,7 @@
 
 After a leader change the new leader re-sends the last commit; the agent may pass
 it to a worker that applied it while its `applied` report was still on the way
-(seen in benchmarks/failover.py: the worker stopped with "does not match").
+(seen in bench/scripts/failover.py: the worker stopped with "does not match").
 The scripted agent is a test seam: the worker, its gloo group and its rendezvous
 store are real.
 """
@@ -22,7 +22,7 @@ import pytest
 
 from recover.cli.jobargs import add_job_arguments, job_from_args
 from recover.proto import pb, rpc
-from recover.trainer.collectives import RendezvousServer
+from recover.trainer.groups.gloo import RendezvousServer
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,4 +1,4 @@
-"""Fault-tolerant cross-replica collectives: one gloo process group per generation.
+"""The gloo cross-replica group: one gloo process group per generation (the default backend).
 
 Why (measured, DESIGN.md section 1): a stopped peer keeps its sockets open, so nothing
 fails until the group timeout; gloo's ``abort()``/``shutdown()`` do not unblock an
@@ -18,6 +18,9 @@ which a donor runs on a thread of its own); the agent channel is a unix socket,
 filtered out by family. Sockets are tracked by
 inode, re-checked with ``fstat`` on a dup'd fd, so an fd closed by gloo and reused
 by someone else is never touched.
+
+Device buffers (a model on a GPU keeps its gradient buckets there) are staged through a
+pinned host copy (groups/staging.py): gloo reduces host memory only.
 """
 
 from __future__ import annotations
@@ -28,15 +31,16 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from recover.common.netaddr import local_address_towards
+from recover.trainer.groups import CollectiveAborted, GroupSpec
+from recover.trainer.groups.staging import HostStaging, staged_reduce
 
-__all__ = ["CollectiveAborted", "GroupSpec", "GenerationGroup", "RendezvousServer",
-           "exclude_sockets", "include_sockets"]
+__all__ = ["GenerationGroup", "RendezvousServer", "exclude_sockets", "gloo_devices",
+           "include_sockets"]
 
 _FOREIGN: set[int] = set()
 """Inodes of inet sockets that belong to something else (a join's state transfer): a
@@ -61,31 +65,6 @@ def include_sockets(socks: list[socket.socket]) -> None:
     """Forget sockets about to be closed (their inode numbers will be reused)."""
     with _FOREIGN_LOCK:
         _FOREIGN.difference_update(i for i in map(_inode, socks) if i is not None)
-
-
-class CollectiveAborted(RuntimeError):
-    """The generation's group was aborted (by abort()) or a peer failed; the caller must
-    drop the group and rebuild in a newer generation."""
-
-
-@dataclass(frozen=True)
-class GroupSpec:
-    """Everything needed to join one generation's process group."""
-    generation: int
-    """Membership generation; the store prefix is ``gen/{generation}/`` so generations never mix."""
-    rank: int
-    """This replica's rank within the generation (0 .. world_size-1)."""
-    world_size: int
-    """Number of replicas in the generation."""
-    store_host: str
-    """Host of the rendezvous TCPStore (hosted outside the workers, e.g. by the controller)."""
-    store_port: int
-    """Port of the rendezvous TCPStore."""
-    timeout_s: float = 30.0
-    """Store and gloo timeout. Safety net only: the controller's abort is the fast path."""
-    secret: str = ""
-    """The generation's secret key prefix (controller/rendezvous.py): strangers who reach the
-    store cannot find, read or write this group's keys."""
 
 
 def _foreign() -> set[int]:
@@ -168,12 +147,19 @@ def gloo_devices(store_host: str, store_port: int) -> list[object]:
 
 
 class GenerationGroup:
-    """Owns one generation's TCPStore client + PrefixStore(f"gen/{generation}/") +
+    """Owns one generation's TCPStore client + PrefixStore(spec.store_prefix) +
     torch.distributed.ProcessGroupGloo built directly (no init_process_group, no global
-    c10d state)."""
+    c10d state). A `CrossReplicaGroup`.
 
-    def __init__(self, spec: GroupSpec) -> None:
+    `force_staging` sends even a CPU buffer through the host staging copy: the staging
+    path is then tested where there is no device.
+    """
+
+    def __init__(self, spec: GroupSpec, *, staging: HostStaging | None = None,
+                 force_staging: bool = False) -> None:
         self.spec = spec
+        self._staging = staging
+        self._force_staging = force_staging
         # The lock orders abort() against the socket snapshots and close(): once
         # close() has run, abort() must not touch fds that may belong to others.
         self._lock = threading.Lock()
@@ -231,8 +217,7 @@ class GenerationGroup:
             opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in stubs
             opts._timeout = timeout
             opts._devices = gloo_devices(spec.store_host, spec.store_port)
-            prefix = f"gen/{spec.generation}/{spec.secret}/" if spec.secret else f"gen/{spec.generation}/"
-            pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store),
+            pg = dist.ProcessGroupGloo(dist.PrefixStore(spec.store_prefix, store),
                                        spec.rank, spec.world_size, opts)
         except Exception as e:  # noqa: BLE001 - any rendezvous failure means "rebuild"
             # Keep only the message: the exception's traceback would keep the
@@ -253,12 +238,16 @@ class GenerationGroup:
         _BUILDERS.discard(threading.current_thread())
 
     def allreduce_sum_(self, buffer: torch.Tensor) -> None:
-        """In-place SUM allreduce of a contiguous CPU tensor.
+        """In-place SUM allreduce of a contiguous CPU tensor, or of a device tensor through a
+        host copy (one copy each way, the host tensor pinned and reused).
 
-        After a failure the buffer is partially reduced: callers pass a copy.
+        After a failure the buffer may be partially reduced: callers pass a copy.
         """
-        if buffer.device.type != "cpu" or not buffer.is_contiguous():
-            raise ValueError("allreduce_sum_ needs a contiguous CPU tensor")
+        if buffer.device.type == "cpu" and not buffer.is_contiguous():
+            raise ValueError("allreduce_sum_ needs a contiguous tensor")
+        staged_reduce(buffer, self._allreduce_host, self._staging, self._force_staging)
+
+    def _allreduce_host(self, buffer: torch.Tensor) -> None:
         with self._lock:
             self._check()
             pg = self._pg

@@ -1,0 +1,156 @@
+"""What the step executor and its join steps share: the replica's state, its group, and
+the few operations both call.
+
+The executor is one object in three layers, each in a module of its own so that none
+imports the one built on it: this base (the state and the group hand-over), `JoinSteps`
+(joinsteps.py: donating and joining, which need the state and the step operations) and
+`StepExecutor` (executor.py: the step loop, which implements those operations). The
+abstract methods are the step operations the join steps call.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from recover.common.ckptfile import CheckpointError
+from recover.common.progress import ProgressBeacon
+from recover.proto import pb
+from recover.trainer.channel import AgentChannel
+from recover.trainer.checkpoint import CheckpointWriter
+from recover.trainer.checkpoint import load as load_checkpoint
+from recover.trainer.destinations import OwnTensors
+from recover.trainer.errors import contract_error
+from recover.trainer.gradients import GradientBuckets
+from recover.trainer.groups import CrossReplicaGroup, GroupFactory, build_group
+from recover.trainer.hooks import StepHooks
+from recover.trainer.joining import Donation
+from recover.trainer.reduction import Accumulator
+from recover.trainer.stepstate import StepState
+from recover.trainer.transfer import Listener
+from recover.trainer.workload import Workload
+
+log = logging.getLogger("recover.trainer")
+
+
+class ExecutorBase(ABC):
+    def __init__(self, job: pb.JobConfig, replica: int, channel: AgentChannel, workload: Workload,
+                 grads: GradientBuckets, accumulator: Accumulator, first_step: int = 0,
+                 beacon: ProgressBeacon | None = None, listener: Listener | None = None,
+                 hooks: StepHooks | None = None, groups: GroupFactory = build_group) -> None:
+        self.job = job
+        self.replica = replica
+        self.channel = channel
+        self.workload = workload
+        self.beacon = beacon
+        self.grads = grads
+        self.accumulator = accumulator
+        self.hooks = hooks or StepHooks()
+        """Fault injection and emulated compute when the job's testing config asks; no-ops else."""
+        self.build_group = groups
+        """Makes a generation's cross-replica group (gloo by default; a fake in unit tests)."""
+        self.generation = 0
+        self.members: list[int] = []
+        self.group: CrossReplicaGroup | None = None
+        self.state = StepState(step=first_step)
+        self.finished = False
+        self.steps_applied = 0
+        self._reported_at = 0.0
+        self.listener = listener
+        """Where a donor's state arrives when this replica joins a running job."""
+        self.donations: list[Donation] = []
+        self.ledger: list[pb.StepRecord] = []
+        """Every committed step's record, kept with the state: a checkpoint carries it."""
+        self.checkpoints: CheckpointWriter | None = None
+        self._admission: pb.GenerationView | None = None
+        """A joiner's first generation, held until it has caught up to the view's step."""
+        self._pending_join: pb.Join | None = None
+        self.catching_up = False
+        """Applying a donor's stream: a generation ahead of this replica is held, not fatal."""
+        self.state_loaded = False
+        """The state came from a donor or a checkpoint (else: the model as the user built it)."""
+        self.resume: pb.ResumePoint | None = None
+        """A checkpoint to load before the first generation, unless a donor's state came first."""
+        self.built_tensors: OwnTensors | None = None
+        """The state as built, offered to a join's snapshot to be received into in place."""
+        # Guards the hand-over between the receiver thread (which learns of new
+        # generations first) and the main thread (which owns the group).
+        self._group_lock = threading.Lock()
+        self._newest_seen = 0
+        channel.set_generation_hook(self._on_generation_seen)
+
+    # ------------------------------------------------------------ the step operations
+
+    @abstractmethod
+    def _handle(self, command: pb.WorkerCommand) -> None:
+        """Act on one command from the controller."""
+
+    @abstractmethod
+    def _enter_generation(self, view: pb.GenerationView) -> None:
+        """Become a member of `view`'s generation (or hold it, while catching up)."""
+
+    @abstractmethod
+    def _apply(self, means: list, step: pb.CatchUpStep, commit_wait: float | None,
+               checkpoint_now: bool = False, final: bool = False) -> None:
+        """Apply a committed step (as a member, or catching up as a joiner)."""
+
+    # ------------------------------------------------------------ abort path
+
+    def _on_generation_seen(self, generation: int) -> None:
+        """Receiver thread: a newer generation makes the current group's collectives moot."""
+        with self._group_lock:
+            self._newest_seen = max(self._newest_seen, generation)
+            if self.group is not None and self.group.spec.generation < generation:
+                self.group.abort()
+
+    def _install_group(self, group: CrossReplicaGroup | None) -> None:
+        with self._group_lock:
+            old, self.group = self.group, group
+            if group is not None and self._newest_seen > group.spec.generation:
+                group.abort()  # the view was superseded before we even started
+        if old is not None:
+            old.abort()
+            old.close()
+
+    # ------------------------------------------------------------ the state
+
+    def training_state(self, with_ledger: bool = True) -> dict[str, Any]:
+        """Everything a joiner or a restore needs: the user's state, the exact-reduction
+        scales and the step ledger (references to live tensors: encode() copies). A
+        checkpoint keeps the ledger in its header instead (the controller reads it there)."""
+        state = {"workload": self.workload.state_dict(),
+                 "reduction": self.accumulator.state_dict()}
+        if with_ledger:
+            # Bytes in a tensor, not in the state's tree: the ledger grows with the job, and
+            # a frame's message is bounded while its tensors are not.
+            ledger = bytearray(pb.Ledger(records=self.ledger).SerializeToString())
+            state["ledger"] = (torch.frombuffer(ledger, dtype=torch.uint8) if ledger
+                               else torch.empty(0, dtype=torch.uint8))
+        return state
+
+    def load_training_state(self, state: dict[str, Any], step: int,
+                            ledger: list[pb.StepRecord] | None = None) -> None:
+        self.workload.load_state_dict(state["workload"])
+        self.accumulator.load_state_dict(state["reduction"])
+        if ledger is None:
+            ledger = list(pb.Ledger.FromString(bytes(state["ledger"].numpy())).records)
+        self.ledger = ledger
+        self.state = StepState(step=step)
+        self.state_loaded = True
+
+    def load_checkpoint(self, resume: pb.ResumePoint) -> None:
+        """The state a resumed job starts from (its checksum verified again here)."""
+        try:
+            meta, state = load_checkpoint(resume.path)
+        except (CheckpointError, OSError) as exc:
+            raise contract_error(f"cannot resume from {resume.path}: {exc}",
+                                 where="resume") from None
+        self.load_training_state(state, meta.step, list(meta.ledger))
+        log.info("resumed from %s at step %d", resume.path, meta.step, extra=self._ctx())
+
+    def _ctx(self) -> dict[str, int]:
+        return {"step": self.state.step, "generation": self.generation, "replica": self.replica}
