@@ -33,7 +33,7 @@ from typing import Any
 import grpc
 
 from recover.bench.env import environment, percentile
-from recover.cli import inspect
+from recover.client.connect import connect
 from recover.proto import pb
 
 AGENTS_PER_PROCESS = 250
@@ -163,7 +163,7 @@ def measure(n: int, config: ScaleConfig, progress: Callable[[str], None]) -> dic
         all_up_s = time.time() - began
         if all_up_s > config.ramp_timeout_s:
             raise RuntimeError(f"N={n}: ramp-up took {all_up_s:.0f}s")
-        channel, stub = inspect.connect(address, 10)
+        channel, stub = connect(address, 10)
         time.sleep(min(2.0, config.duration_s / 4))  # let the start-up burst settle
         cpu0, t0 = cpu_seconds(controller.pid), time.time()
         rtts, agents_seen = _probe(stub, config.duration_s)

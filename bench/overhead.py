@@ -25,7 +25,7 @@ from recover.bench.ddp_job import run_ddp
 from recover.bench.env import environment
 from recover.bench.recover_job import JobFailed, run_recover
 from recover.bench.reference import reference_config
-from recover.cli.jobargs import job_to_args
+from recover.client.launch import hand_over
 from recover.proto import pb
 
 MODES = ("ddp", "fast", "exact")
@@ -77,7 +77,8 @@ def _one(mode: str, job: pb.JobConfig, folder: Path, config: OverheadConfig) -> 
     mode_job.CopyFrom(job)
     mode_job.reduce = mode
     # No kills to time: poll the controller rarely, so the bench itself costs the job no CPU.
-    summary = run_recover(folder, job_to_args(mode_job), label=mode, timeout_s=config.timeout_s,
+    job_args = hand_over(mode_job, config.out / f"job-{mode}.binpb")
+    summary = run_recover(folder, job_args, label=mode, timeout_s=config.timeout_s,
                           poll_s=1.0)
     ends = [t for t in summary["committed_at_s_per_step"] if t is not None]
     return {"ends": ends, "loss_per_step": summary["loss_per_step"],

@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 
 from recover.bench.schedules import Schedule
-from recover.cli import inspect
+from recover.client.connect import ControllerUnreachable, connect
 from recover.proto import pb
 
 PID = re.compile(r"pid (\d+)")
@@ -54,7 +54,8 @@ def run_recover(out: Path, job_args: list[str], schedule: Schedule | None = None
     port_file.unlink(missing_ok=True)
     launched = time.time()
     log = open(out / "launcher.log", "wb")  # noqa: SIM115 (closed below)
-    # job_args end with `-- COMMAND`: every other flag goes before them.
+    # job_args (flags, or client.launch.hand_over's) may end with `-- COMMAND`: every
+    # other flag goes before them.
     proc = subprocess.Popen([sys.executable, "-m", "recover.cli.main", "run", "--quiet",
                              "--out", str(out), *job_args], stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True)
@@ -78,8 +79,8 @@ def run_recover(out: Path, job_args: list[str], schedule: Schedule | None = None
                 if not port_file.exists():
                     continue
                 try:
-                    channel, stub = inspect.connect(f"127.0.0.1:{port_file.read_text()}", 10)
-                except (inspect.ControllerUnreachable, ValueError):
+                    channel, stub = connect(f"127.0.0.1:{port_file.read_text()}", 10)
+                except (ControllerUnreachable, ValueError):
                     continue
             try:
                 for event in stub.Events(pb.EventsRequest(after_seq=after), timeout=2).events:

@@ -29,6 +29,7 @@ from recover.bench.env import environment
 from recover.bench.recover_job import run_recover
 from recover.bench.reference import reference_config, tokens_per_step
 from recover.bench.schedules import Schedule
+from recover.client.launch import hand_over
 from recover.proto import pb
 
 RUNS = ("reference", "recover", "ckpt-restart")
@@ -40,8 +41,6 @@ class ThroughputConfig:
 
     job: pb.JobConfig
     """The job every run trains (validated by the CLI; the built-in reference GPT only)."""
-    job_args: list[str]
-    """The same job as `recover run` flags."""
     schedule: Schedule
     """Failures for the ReCoVer and ckpt-restart runs."""
     schedule_path: str
@@ -89,12 +88,13 @@ def run(config: ThroughputConfig, progress: Any = None) -> dict[str, Any]:
     workload = reference_config(job, "recover bench throughput")
     out.mkdir(parents=True, exist_ok=True)
     say(f"bench throughput: reference (no failures) -> {out / 'reference'}")
-    reference = run_recover(out / "reference", config.job_args, None, say, "reference",
+    job_args = hand_over(job, out / "job.binpb")  # every ReCoVer run trains this very job
+    reference = run_recover(out / "reference", job_args, None, say, "reference",
                             config.timeout_s)
     say(f"bench throughput: recover with {len(config.schedule.events)} scheduled failures")
     # A slot comes back when the schedule says (a replacement agent), not by a restart.
     returns = any(e.returns_at_s is not None for e in config.schedule.events)
-    recover_args = ["--max-restarts", "0", *config.job_args] if returns else config.job_args
+    recover_args = ["--max-restarts", "0", *job_args] if returns else job_args
     recover = run_recover(out / "recover", recover_args, config.schedule, say, "recover",
                           config.timeout_s)
     say("bench throughput: ckpt-restart with the same failures")

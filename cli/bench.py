@@ -21,7 +21,7 @@ from typing import Any
 from recover.cli import bench_more
 from recover.cli.bench_more import out_dir as _out
 from recover.cli.bench_more import reference_job, say
-from recover.cli.jobargs import UsageError, add_job_arguments, job_to_args
+from recover.cli.jobargs import UsageError, add_job_arguments
 
 
 def _policy_args(parser: argparse.ArgumentParser) -> None:
@@ -44,7 +44,7 @@ def add_run_mode_arguments(run: argparse.ArgumentParser) -> None:
                           "checkpoint)")
     run.add_argument("--schedule", default=None, metavar="FILE",
                      help="ckpt-restart only: slot failures from a schedule file "
-                          "(benchmarks/schedules/)")
+                          "(bench/schedules/)")
     _policy_args(run)
 
 
@@ -127,7 +127,7 @@ def _throughput(args: argparse.Namespace) -> int:
         raise UsageError("recover bench throughput: the baseline supports --reduce fast only")
     schedule = _schedule(args.schedule, job.replicas)
     config = throughput.ThroughputConfig(
-        job=job, job_args=job_to_args(job), schedule=schedule, schedule_path=args.schedule,
+        job=job, schedule=schedule, schedule_path=args.schedule,
         out=_out(args.out), policy=_policy(args, schedule.system_mtbf_s()),
         timeout_s=args.run_timeout)
     try:

@@ -32,18 +32,23 @@ from pathlib import Path
 from typing import Any
 
 from recover.cli.jobargs import UsageError
+from recover.client.jobsettings import BY_DEST, SETTINGS, Setting
 from recover.workloads.tinygpt import config as tinygpt
 
+
+def _keys(section: str) -> tuple[str, ...]:
+    return tuple(s.file_key for s in SETTINGS if s.file_section == section)
+
+
+# The job settings' keys come from their one definition (client/jobsettings.py); the
+# worker command, the built-in GPT's settings and the credentials are not job settings.
 SECTIONS = {
-    "job": ("replicas", "min_replicas", "spares", "steps", "global_microbatches", "seed",
-            "reduce", "reduce_dtype",
-            "check_determinism", "record_sample_ids", "policy", "hang_timeout", "hang_factor",
-            "group_timeout", "job_id", "checkpoint_dir", "checkpoint_every", "checkpoint_keep"),
-    "workload": ("command", "config", *tinygpt.FLAGS),
-    "testing": ("kill", "compute_ms"),
+    "job": _keys("job"),
+    "workload": ("command", *_keys("workload"), *tinygpt.FLAGS),
+    "testing": _keys("testing"),
     "security": ("tls", "tls_cert", "tls_key", "tls_ca", "token_file"),
 }
-DESTS = {"command": "file_command", "config": "workload_config"}
+DESTS = {"command": "file_command", **{s.file_key: s.dest for s in SETTINGS if s.file_key != s.dest}}
 """Keys whose flag stores under another name."""
 
 
@@ -87,21 +92,22 @@ def load(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
             dest = DESTS.get(key, key)
             if section == "security" and dest not in actions:
                 raise UsageError(f"{where}: `{parser.prog}` has no such option")
-            values[dest] = _checked(where, key, value, actions.get(dest))
+            values[dest] = _checked(where, key, value, actions.get(dest), BY_DEST.get(dest))
     if values.get("file_command") and any(k in values for k in tinygpt.FLAGS):
         raise UsageError(f"--job {path!r}: [workload] has a command and built-in GPT settings; "
                          "pass your script's settings in its command or its config table")
     return values
 
 
-def _checked(where: str, key: str, value: Any, action: argparse.Action | None) -> Any:
-    if key in ("command", "kill"):
+def _checked(where: str, key: str, value: Any, action: argparse.Action | None,
+             setting: Setting | None) -> Any:
+    if key == "command" or (setting is not None and setting.action == "append"):
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise UsageError(f"{where} must be a list of strings")
         if key == "command" and not value:
             raise UsageError(f"{where} is empty")
         return value
-    if key == "config":
+    if setting is not None and setting.table:
         if not isinstance(value, dict):
             raise UsageError(f"{where} must be a table")
         try:

@@ -19,10 +19,12 @@ from typing import IO
 
 import grpc
 
-from recover.cli import inspect
-from recover.cli.jobargs import UsageError, job_from_args, job_to_args
+from recover.cli.inspect import format_event
+from recover.cli.jobargs import UsageError, job_from_args
 from recover.cli.localtls import local_tls
 from recover.cli.preflight import check_out, check_store
+from recover.client.connect import ControllerUnreachable, connect_leader
+from recover.client.launch import hand_over
 from recover.common.security import Security
 from recover.controller.summary import build_summary, format_summary, write_summary
 from recover.proto import pb
@@ -128,7 +130,7 @@ class Progress:
     def event(self, event: pb.Event) -> None:
         if self.enabled and event.kind in SHOWN_EVENTS:
             self._clear()
-            print(inspect.format_event(event), file=self.stream, flush=True)
+            print(format_event(event), file=self.stream, flush=True)
 
     def status(self, status: pb.JobStatus) -> None:
         if not self.enabled or status.state == "waiting":
@@ -198,6 +200,7 @@ def run_local(args: argparse.Namespace) -> int:
     port_files = [out / f"{controller_name(i)}.port" for i in range(args.controllers)]
     for port_file in port_files:
         port_file.unlink(missing_ok=True)
+    job_file = out / "job.binpb"  # the job for the controllers, removed with the port files
     tls = local_tls(out / "tls", agents) if args.tls else None
     job = LocalJob(out)
     signal.signal(signal.SIGTERM, _terminate)
@@ -205,6 +208,7 @@ def run_local(args: argparse.Namespace) -> int:
     python = sys.executable
     started = time.monotonic()
     try:
+        handed_over = hand_over(job_config, job_file)
         for index, port_file in enumerate(port_files):
             job.start(controller_name(index), [
                 python, "-m", "recover.cli.main", "controller",
@@ -213,7 +217,7 @@ def run_local(args: argparse.Namespace) -> int:
                 repr(args.start_timeout), "--start-grace", repr(args.start_grace),
                 *(["--resume", job_config.resume.path] if job_config.resume.path else []),
                 *(tls.flags("controller") if tls else []),
-                *job_to_args(job_config)])
+                *handed_over])
         addresses = [f"127.0.0.1:{_wait_for_port(job, controller_name(i), f)}"
                      for i, f in enumerate(port_files)]
         address = ",".join(addresses)
@@ -252,8 +256,8 @@ def run_local(args: argparse.Namespace) -> int:
         return 143 if isinstance(interrupt, Terminated) else 130
     finally:
         job.stop()
-        for port_file in port_files:
-            port_file.unlink(missing_ok=True)
+        for path in [*port_files, job_file]:
+            path.unlink(missing_ok=True)
 
 
 def _print_user_traceback(summary: dict[str, object]) -> None:
@@ -281,9 +285,9 @@ def _watch(job: LocalJob, addresses: list[str], progress: Progress,
                                   f": {job.log_tail(name)}")
             if channel is None:
                 try:
-                    channel, stub = inspect.connect_leader(",".join(addresses), timeout_s=30,
-                                                           security=security)
-                except inspect.ControllerUnreachable as exc:
+                    channel, stub = connect_leader(",".join(addresses), timeout_s=30,
+                                                   security=security)
+                except ControllerUnreachable as exc:
                     raise LaunchError(str(exc)) from None
             try:
                 status = stub.Status(pb.StatusRequest(), timeout=5)

@@ -29,7 +29,7 @@ from the previous committed step's reduced gradient (bitwise equal on every
 replica by induction), with headroom. Each microbatch whose scaled gradient
 would not fit is counted in an overflow slot of the same buffer; a
 nonzero global count makes the controller redo the step at a lower scale
-(`scale_epoch`). Measured cost and rate: see benchmarks/README.md.
+(`scale_epoch`). Measured cost and rate: see bench/README.md.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ The baseline is exported with `git archive` and run from a shim package
 folder on PYTHONPATH, under the same interpreter and installed dependencies,
 so the only difference is ReCoVer's own code.
 
-    python benchmarks/api_overhead.py --out benchmarks/results/api-overhead
-    python benchmarks/api_overhead.py --size 9.5M --reduce exact --pairs 3 --out ...
+    python bench/scripts/api_overhead.py --out bench/results/api-overhead
+    python bench/scripts/api_overhead.py --size 9.5M --reduce exact --pairs 3 --out ...
 
 Run it on an otherwise idle machine: it measures a few percent.
 """
@@ -32,7 +32,7 @@ from pathlib import Path
 
 from recover.bench.env import environment
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("proto", "controller", "agent", "trainer", "cli", "common", "bench")
 """recover.<name> -> <name>/ in the baseline revision (its pyproject's package-dir)."""
 SIZES = {

@@ -8,7 +8,7 @@ reduction buffers, finishing them and applying the step (no collectives, no
 controller), with the same model, sizes and thread count, in a fresh process
 per measurement, alternating the baseline revision and this checkout.
 
-    python benchmarks/api_overhead_micro.py --out benchmarks/results/api-overhead-micro
+    python bench/scripts/api_overhead_micro.py --out bench/results/api-overhead-micro
 """
 
 from __future__ import annotations

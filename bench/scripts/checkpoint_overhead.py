@@ -15,10 +15,10 @@ and at 9.5M parameters. Three views, from the most exposed to noise to the least
    itself runs on a background thread), amortized over the interval and
    divided by the step time: the robust number here.
 
-    python benchmarks/checkpoint_overhead.py --pairs 4 --big-pairs 2 \
-        --out benchmarks/results/checkpoint-overhead   # ~6-9 min
-    python benchmarks/checkpoint_overhead.py --sizes demo-accel --pairs 4 \
-        --out benchmarks/results/checkpoint-overhead-accel   # ~3-5 min
+    python bench/scripts/checkpoint_overhead.py --pairs 4 --big-pairs 2 \
+        --out bench/results/checkpoint-overhead   # ~6-9 min
+    python bench/scripts/checkpoint_overhead.py --sizes demo-accel --pairs 4 \
+        --out bench/results/checkpoint-overhead-accel   # ~3-5 min
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """CPU time the control plane costs per failure-free step (controller, agents, launcher).
 
-    python benchmarks/control_plane_cpu.py [--short 100] [--long 300] [--out runs/bench-cpu]
+    python bench/scripts/control_plane_cpu.py [--short 100] [--long 300] [--out runs/bench-cpu]
 
 Runs the demo job (`recover run`, 4 replicas on 2 agents, -M 16 -B 8, no faults) twice,
 for `--short` and `--long` steps, and samples every process's utime + stime from

@@ -1,6 +1,6 @@
 """Exact vs fast reduction: failure-free step time, side by side in one run.
 
-    python benchmarks/exact_overhead.py --out /tmp/bench-exact [--reps 2]
+    python bench/scripts/exact_overhead.py --out /tmp/bench-exact [--reps 2]
 
 For two model sizes — the demo's (~106k parameters, 4 replicas, M=16, B=8)
 and a ~9.5M-parameter GPT (3 layers, width 512; 2 replicas, M=8, B=8) — it

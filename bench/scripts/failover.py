@@ -1,6 +1,6 @@
 """Leader failover time (crash and clean shutdown) and the etcd store's step-time overhead.
 
-    python benchmarks/failover.py [--trials 10] [--out runs/bench-failover]
+    python bench/scripts/failover.py [--trials 10] [--out runs/bench-failover]
 
 Failover: one etcd, three `recover controller` processes on fixed ports, two
 agents (4 replicas) training a long job. Each trial finds the leader, hits it
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from recover.proto import pb, rpc  # noqa: E402
 from tests.etcd_cluster import EtcdCluster, free_port  # noqa: E402
 

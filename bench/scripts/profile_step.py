@@ -1,6 +1,6 @@
 """Failure-free step time at the demo sizes, and where a step's time goes.
 
-    python benchmarks/profile_step.py --out /tmp/bench-step [--steps 30] [--profile-steps 300]
+    python bench/scripts/profile_step.py --out /tmp/bench-step [--steps 30] [--profile-steps 300]
 
 Two jobs, both 4 replicas on 2 agents, -M 16 -B 8, default model, no faults:
 

@@ -19,7 +19,7 @@ check); `--import-probes` fresh interpreters timed importing the workload
 share. On this machine the joiner shares the 2 cores with the survivors, so
 the 3-replica steps before the join already pay for its process start.
 
-    python benchmarks/rejoin.py --out benchmarks/results/rejoin     # ~7-9 min
+    python bench/scripts/rejoin.py --out bench/results/rejoin     # ~7-9 min
 """
 
 from __future__ import annotations

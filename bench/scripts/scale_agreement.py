@@ -1,6 +1,6 @@
 """Exact reduction: why the scale is predicted rather than agreed by a MAX-allreduce.
 
-    python benchmarks/scale_agreement.py --out /tmp/bench-scale [--steps 200]
+    python bench/scripts/scale_agreement.py --out /tmp/bench-scale [--steps 200]
 
 Agreeing on the scale after the microbatches (a MAX-allreduce of one value
 per tensor) costs two things the prediction does not:

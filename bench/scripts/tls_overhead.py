@@ -18,7 +18,7 @@ KILLS[1] (mid-backward, `--kill`), so one run gives:
 (c) the CPU seconds of the whole job (every process, reaped), and whether both
     runs of a pair end with bitwise identical parameters (`param_sha256_per_step`).
 
-    python benchmarks/tls_overhead.py --pairs 10 --out benchmarks/results/tls-overhead   # ~8.5 min
+    python bench/scripts/tls_overhead.py --pairs 10 --out bench/results/tls-overhead   # ~8.5 min
 """
 
 from __future__ import annotations

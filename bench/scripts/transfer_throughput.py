@@ -29,7 +29,7 @@ ready to the last byte, for `stream-fresh` from the end of the donor's copy
 donor's first action (its copy) to the last byte, everything included;
 `prepare` is the joiner's preparation (0 for the others).
 
-    python benchmarks/transfer_throughput.py --out benchmarks/results/transfer-throughput
+    python bench/scripts/transfer_throughput.py --out bench/results/transfer-throughput
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Hang watchdog: time from a worker's hang to the survivors computing again.
 
-    python benchmarks/watchdog.py --out /tmp/bench-watchdog [--runs 8] [--hang-timeout 2.0]
+    python bench/scripts/watchdog.py --out /tmp/bench-watchdog [--runs 8] [--hang-timeout 2.0]
 
 Each run is `recover run --replicas 4 --steps 10 -M 16 -B 8` with three hung
 workers at steps 2, 5 and 8 (kinds rotate over stop = SIGSTOP, spin = an

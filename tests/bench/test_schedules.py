@@ -11,7 +11,7 @@ from recover.bench import schedules
 from recover.bench.ckpt_policy import CheckpointPolicy, checkpoint_due, young_daly_interval_s
 from recover.bench.schedules import ScheduleError
 
-SHIPPED = Path(__file__).resolve().parents[2] / "benchmarks" / "schedules"
+SHIPPED = Path(__file__).resolve().parents[2] / "bench" / "schedules"
 
 
 @pytest.mark.parametrize("name", ["lose-half.json", "steady.json"])
