@@ -78,6 +78,7 @@ def main(argv: list[str]) -> int:
     gpt = ReferenceGPT.build(reference_config(job, "the ckpt-restart baseline"), job.seed,
                              job.global_microbatches)
     model, optimizer = gpt.model, gpt.optimizer
+    workload = gpt.workload()
     start_step, loaded_s = 0, 0.0
     if os.path.exists(ckpt_path):
         t = time.perf_counter()
@@ -107,19 +108,15 @@ def main(argv: list[str]) -> int:
         accumulator.reset()
         for mb in mine:
             accumulator.before_microbatch()
-            inputs, targets = gpt.microbatch(step, mb)
-            _, loss = model(inputs, targets)
-            assert loss is not None
-            loss.backward()
+            result = workload.compute(step, mb)  # what ReCoVer's workers run
             if compute_ms > 0:
                 time.sleep(compute_ms / 1000.0)  # emulated accelerator time, as in ReCoVer
-            accumulator.after_microbatch(float(loss.detach()))
+            accumulator.after_microbatch(result.loss)
         buffers = accumulator.buffers()  # one per gradient bucket, the step's stats in the last
         for buffer in buffers:
             dist.all_reduce(buffer)
         reduced = accumulator.finish(buffers)
-        grads.load(reduced.grads)
-        optimizer.step()
+        workload.apply(grads, reduced.grads)
         if rank != 0:
             continue
         events.emit("step", step=step, loss=reduced.loss, tokens=tokens)

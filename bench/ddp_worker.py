@@ -79,22 +79,29 @@ def train(config: DDPConfig, rank: int) -> dict[str, list[float]]:
     optimizer = gpt.optimizer
     mine = my_microbatches(rank, config.replicas, config.global_microbatches)
     scale = config.replicas / config.global_microbatches
+    last = False
+
+    def forward_backward(model: torch.nn.Module, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
+        # no_sync on all but the last microbatch: one allreduce per step, DDP's own.
+        with ddp.no_sync() if not last else contextlib.nullcontext():
+            _, loss = ddp(batch[:, :-1].contiguous(), batch[:, 1:].contiguous())
+            assert loss is not None
+            (loss * scale).backward()
+        return loss.detach(), gpt.tokens_per_microbatch
+
+    # ReCoVer's own microbatch code (sample order, dropout seeds), DDP's backward.
+    workload = gpt.workload(forward_backward)
     ended_at: list[float] = []
     loss_sums: list[float] = []
     for step in range(config.steps):
         optimizer.zero_grad(set_to_none=False)
         loss_sum = 0.0
         for position, microbatch in enumerate(mine):
-            inputs, targets = gpt.microbatch(step, microbatch)
             last = position == len(mine) - 1
-            # no_sync on all but the last microbatch: one allreduce per step.
-            with ddp.no_sync() if not last else contextlib.nullcontext():
-                _, loss = ddp(inputs, targets)
-                assert loss is not None
-                (loss * scale).backward()
+            result = workload.compute(step, microbatch)
             if config.compute_ms > 0:
                 time.sleep(config.compute_ms / 1000.0)
-            loss_sum += float(loss.detach())
+            loss_sum += result.loss
         optimizer.step()
         ended_at.append(time.time())
         loss_sums.append(loss_sum)

@@ -3,10 +3,10 @@
 The checkpoint-and-restart and DDP baselines must train exactly the job
 ReCoVer's reference worker trains (workloads/tinygpt/__main__.py) so that
 their loss curves are comparable: the same model from the job's seed, the
-same AdamW, the same corpus walked without replacement by the same
-`EpochSampler`, the same dropout seed per (step, microbatch), seeded in the
-same order as `recover.trainer.workload.Workload.compute`. Both baselines
-build their pieces here, so they cannot drift apart from each other either.
+same AdamW, the same corpus walked by the same `DatasetMicrobatches`. They
+compute every microbatch with `Workload.compute`, the code ReCoVer's workers
+run (its sample order, dropout seeds and loss), rather than a copy of it; both
+baselines build their pieces here, so they cannot drift apart either.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.utils.data import default_collate
 
-from recover.trainer.sampling import EpochSampler, microbatch_seed
+from recover.trainer.sources import DatasetMicrobatches
+from recover.trainer.workload import ForwardBackwardFn, Workload
 from recover.workloads.tinygpt.config import TinyGPTConfig
 from recover.workloads.tinygpt.corpus import CorpusConfig, SyntheticCorpus
 from recover.workloads.tinygpt.model import GPTConfig, TinyGPT, build_model
@@ -32,7 +32,7 @@ class ReferenceGPT:
     model: TinyGPT
     optimizer: torch.optim.AdamW
     corpus: SyntheticCorpus
-    sampler: EpochSampler
+    global_microbatches: int
 
     @classmethod
     def build(cls, config: TinyGPTConfig, seed: int, global_microbatches: int) -> ReferenceGPT:
@@ -45,16 +45,23 @@ class ReferenceGPT:
         corpus = SyntheticCorpus(CorpusConfig(vocab_size=config.vocab_size,
                                               seq_len=config.seq_len,
                                               corpus_seed=config.corpus_seed))
-        # DatasetMicrobatches binds its sampler to the job's M and seed the same way.
-        sampler = EpochSampler(len(corpus), config.microbatch_size, global_microbatches, seed)
-        return cls(config, seed, model, optimizer, corpus, sampler)
+        return cls(config, seed, model, optimizer, corpus, global_microbatches)
 
-    def microbatch(self, step: int, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets) of one microbatch, with dropout seeded for it."""
-        ids = self.sampler.sample_ids(step, microbatch)
-        # Seeded before the batch is fetched, as ReCoVer does (this corpus draws from
-        # private generators, so the order only matters for fidelity).
-        torch.default_generator.manual_seed(microbatch_seed(self.seed, step, microbatch, "dropout"))
-        # default_collate is what DatasetMicrobatches collates with (a stack for tensors).
-        batch = default_collate([self.corpus[i] for i in ids])
-        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+    @property
+    def tokens_per_microbatch(self) -> int:
+        return self.config.microbatch_size * self.config.seq_len
+
+    def loss(self, model: torch.nn.Module, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The reference worker's loss_fn: next-token prediction over one microbatch."""
+        _, loss = model(batch[:, :-1].contiguous(), batch[:, 1:].contiguous())
+        return loss, self.tokens_per_microbatch
+
+    def workload(self, forward_backward: ForwardBackwardFn | None = None) -> Workload:
+        """The pieces as the reference worker hands them to `recover.trainer.train` (its
+        source bound to the job's M and seed, as train() does); `forward_backward` replaces
+        the loss function where a baseline runs its own backward (DDP's)."""
+        source = DatasetMicrobatches(self.corpus, self.config.microbatch_size)
+        source.bind(self.global_microbatches, self.seed)
+        return Workload(model=self.model, optimizer=self.optimizer, source=source,
+                        seed=self.seed, loss_fn=None if forward_backward else self.loss,
+                        forward_backward=forward_backward)
