@@ -9,6 +9,7 @@ flags is tested; every setting comes from recover.client.jobsettings).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from recover.client.jobsettings import job_flags
@@ -21,7 +22,12 @@ JOB_PROTO_FLAG = "--job-proto"
 def hand_over(job: pb.JobConfig, path: Path) -> list[str]:
     """Write `job` to `path`; the flags that make a child `recover run` or `recover
     controller` take it (its other job flags are then ignored)."""
-    path.write_bytes(job.SerializeToString(deterministic=True))
+    # Owner-only, created anew: the job names the command every worker host runs, so no
+    # other user may read it for secrets in the command or swap it for their own.
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(job.SerializeToString(deterministic=True))
     return [JOB_PROTO_FLAG, str(path)]
 
 
