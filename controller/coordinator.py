@@ -20,7 +20,7 @@ import secrets
 import time
 from collections.abc import Callable
 
-from recover.controller import policy, worker_errors
+from recover.controller import policy, reports, worker_errors
 from recover.controller.events import EventLog
 from recover.controller.jobstate import (
     TERMINAL,
@@ -159,6 +159,11 @@ class Coordinator(Membership, Operations):
             # Fencing: a report from an older generation or step must not count.
             self.stale_reports += 1
             return
+        wrong = reports.unplanned_ids(replica, self.step, self.plan.get(replica, ()),
+                                      msg.microbatch_ids)
+        if wrong is not None:
+            await self.members_lost([replica], f"{wrong}: dropped like a crash", cause="refused")
+            return
         self._progress.reduced[replica] = msg
         if set(self._progress.reduced) >= set(self.members):
             await self._commit()
@@ -240,22 +245,27 @@ class Coordinator(Membership, Operations):
         await self.new_generation(sorted([*survivors, *spares]), decision)
 
     async def _commit(self) -> None:
-        reports = [self._progress.reduced[m] for m in self.members]
-        if any(r.overflow for r in reports):
-            await self._redo_overflowed_step(reports)
+        reported = [self._progress.reduced[m] for m in self.members]
+        if any(r.overflow for r in reported):
+            await self._redo_overflowed_step(reported)
             return
-        assignment = {m: tuple(r.microbatch_ids) for m, r in zip(self.members, reports, strict=True)}
+        assignment = {m: tuple(r.microbatch_ids) for m, r in zip(self.members, reported, strict=True)}
         problem = policy.check_plan(assignment, self.job.global_microbatches,
                                     self.policy.expected(self.plan, self.job.global_microbatches))
         if problem is not None:
             await self.fail(f"refusing to commit step {self.step}: {problem}")
             return
-        losses = {r.loss for r in reports}
-        if len(losses) > 1:
-            self.events.emit("loss-mismatch", f"members reduced different losses {sorted(losses)}",
-                             step=self.step, generation=self.generation, level=logging.WARNING)
+        verdict = reports.agree_on_loss({m: r.loss for m, r in zip(self.members, reported,
+                                                                    strict=True)})
+        if verdict.reason:
+            self.events.emit("loss-mismatch", verdict.reason, step=self.step,
+                             generation=self.generation, level=logging.WARNING)
+        if verdict.outliers:  # the step is reduced again without them, in the next generation
+            await self.members_lost(list(verdict.outliers), verdict.reason, cause="refused")
+            return
         job = self.job
-        record = step_record(job, self.step, self.generation, reports, self._clock())
+        record = step_record(job, self.step, self.generation, reported, self._clock(),
+                             loss=verdict.loss)
         next_step = self.step + 1
         final = next_step >= job.steps
         stop = bool(self.stopping) and not final
@@ -296,14 +306,14 @@ class Coordinator(Membership, Operations):
             members = sorted({*self.members, *entering} - set(leaving))
             await self.new_generation(members, self.policy.plan(members, job.global_microbatches))
 
-    async def _redo_overflowed_step(self, reports: list[pb.Reduced]) -> None:
+    async def _redo_overflowed_step(self, reported: list[pb.Reduced]) -> None:
         """Exact reduction overflowed its predicted scale: redo the step at a lower one.
 
         A new generation (same members, same plan, next scale epoch) rather than
         a side message: it reuses fencing, so a member whose allreduce failed
         while others saw the overflow cannot end up on a different scale.
         """
-        overflowed = max(r.overflow for r in reports)
+        overflowed = max(r.overflow for r in reported)
         redo = policy.overflow_redo(self.step, self.scale_epoch, overflowed)
         if not redo.redo:
             await self.fail(redo.reason)

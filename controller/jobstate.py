@@ -78,14 +78,15 @@ def plan_message(step: int, generation: int, scale_epoch: int,
 
 
 def step_record(job: pb.JobConfig, step: int, generation: int, reports: list[pb.Reduced],
-                committed_at: float) -> pb.StepRecord:
-    """The ledger entry of a step about to commit, from its members' reduction reports."""
+                committed_at: float, loss: float) -> pb.StepRecord:
+    """The ledger entry of a step about to commit, from its members' reduction reports
+    (`loss`: the one they agree on, reports.agree_on_loss)."""
     sample_ids = sorted(s for r in reports for s in r.sample_ids)
     return pb.StepRecord(
         step=step, generation=generation,
         microbatches=sum(len(r.microbatch_ids) for r in reports),
         sample_digest=sample_digest(sample_ids),
-        loss=reports[0].loss, committed_at=committed_at,
+        loss=loss, committed_at=committed_at,
         tokens=sum(r.tokens for r in reports),
         compute_s=max(r.compute_s for r in reports), reduce_s=min(r.reduce_s for r in reports),
         sample_ids=sample_ids if job.record_sample_ids else [], replicas=len(reports))

@@ -180,8 +180,16 @@ class Membership(_Base):
             self.workload.CopyFrom(ready.workload)
         mismatch = worker_errors.determinism_mismatch(
             replica, ready.workload.determinism_sha256, self.workload.determinism_sha256)
+        if mismatch is not None and self.job.reduce == "exact" and self.state is JobState.RUNNING:
+            # A newcomer (restart, replacement, spare) that would not compute the members'
+            # gradients costs itself, never the job: whatever its cause (another torch build
+            # on its host, or a forged report), it is stopped before it gets any state.
+            self.events.emit("replica-refused", f"{mismatch}; it does not enter the job",
+                             replica=replica, level=logging.WARNING)
+            self._retire(replica, f"refused: {mismatch}")
+            return
         if mismatch is not None and self.job.reduce == "exact":
-            await self.fail(mismatch)
+            await self.fail(mismatch)  # at the start: no member yet to tell who is right
             return
         if mismatch is not None:  # fast mode promises no bitwise equality: say it, go on
             self.events.emit("nondeterminism", mismatch, replica=replica, level=logging.WARNING)
@@ -193,13 +201,19 @@ class Membership(_Base):
 
     async def worker_lost(self, replica: int, why: str) -> None:
         """A replica that cannot go on though its process lives: stop it, recover without it."""
-        info = self.replicas.get(replica)
-        if info is None or not info.alive:
-            return
-        self.record_failure(replica, "external", None)
-        self._send(info.agent_id, pb.ControllerMessage(
-            stop_replica=pb.StopReplica(replica=replica, reason=why)))
-        await self._lose([replica], why)
+        await self.members_lost([replica], why)
+
+    async def members_lost(self, replicas: list[int], why: str, cause: str = "external") -> None:
+        """Replicas that cannot go on though their processes live (one that lost its donor,
+        one whose report contradicts its plan or the others): stop them, and recover
+        without them in one new generation."""
+        lost = [r for r in replicas if r in self.replicas and self.replicas[r].alive]
+        for replica in lost:
+            self.record_failure(replica, cause, None)
+            self._send(self.replicas[replica].agent_id, pb.ControllerMessage(
+                stop_replica=pb.StopReplica(replica=replica, reason=why)))
+        if lost:
+            await self._lose(lost, why)
 
     async def worker_exited(self, exited: pb.WorkerExited) -> None:
         info = self.replicas.get(exited.replica)
