@@ -118,6 +118,11 @@ class Takeover:
             c.generation = view.generation
             c.members = list(view.members)
             c.scale_epoch = view.plan.scale_epoch if view.plan.step == c.step else 0
+            # The plan the members work on while their agents rejoin: their reports of the
+            # step in flight are checked against it (reports.unplanned_ids).
+            held, _ = persisted.plan_held_for(c.step)
+            c.plan = {} if held is None else {a.replica: tuple(a.microbatch_ids)
+                                              for a in held.assignments}
         c.events.emit("takeover", f"rebuilt from the store: {c.step} steps committed, generation "
                       f"{c.generation}, members {c.members}; waiting for "
                       f"{len(self.expected)} agents to rejoin", step=c.step, generation=c.generation)

@@ -138,3 +138,18 @@ async def test_a_new_leader_reassigns_a_lost_members_share_of_the_stored_plan():
     (_, view), = h2.messages("generation")[:1]
     # Survivors keep the stored quotas (0: four, 2: one); the lost member's one goes on.
     assert plan_dict(view.plan) == {0: (0, 1, 2, 3), 2: (5, 4)}
+
+
+@scenario
+async def test_reports_of_the_step_in_flight_count_while_the_agents_rejoin():
+    """A new leader knows the plan the members work on before their agents are back: a
+    member's report of the step in flight is its plan's, not a stranger's (found by the
+    SIGTERM failover test: the members were dropped as 'refused')."""
+    h = Harness(make_job(replicas=2, steps=10, m=4))
+    await h.start()
+    await commit(h)
+    h2 = await new_leader(h)
+    assert h2.coord.takeover is not None and h2.coord.plan == {0: (0, 1), 1: (2, 3)}
+    await h2.coord.register_agent("a0", "host-a0", 1, resume=[0])
+    await h2.coord.reduced(0, h2.reduced_msg(0))  # replica 0 reduced step 1 in generation 1
+    assert h2.coord.failures == [] and h2.coord.replicas[0].alive
