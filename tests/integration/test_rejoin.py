@@ -108,10 +108,19 @@ def test_churn_brings_capacity_back_bitwise_without_leaks(tmp_path: Path,
         survivor = pids[2]
         before = proc_stats(survivor)
         os.kill(pids[1], signal.SIGKILL)  # from outside, no cooperation
-        # Every lost worker's slot gets a fresh replica that joins: 4, 5, 6, 7 for 1, 0, 3, 5
-        # (7 is a chain of three restarts and imports after the first kill).
-        wait_for(lambda: job.at_step(steps) and {6, 7} <= {
-            e.replica for e in job.events("replica-joined")}, 450, "replicas 6 and 7 to join")
+        # Every lost worker's slot gets a fresh replica that joins (4, 5, 6, 7 for 1, 0, 3, 5
+        # as a rule). Which ids depends on a race: should the dying donor (0) have reduced
+        # the step in flight before its death is seen, that step commits, its joiner (4)
+        # enters without that step's gradient, is lost as well and replaced. So the test
+        # waits for full strength after every fault, whoever the replacements are.
+        def full_strength_after_every_fault() -> bool:
+            status = job.status()
+            return (status is not None and status.steps_committed >= steps
+                    and len(status.load) == 4  # the plan's replicas: the members
+                    and {0, 1, 3, 5} <= {e.replica for e in job.events("replica-failed")})
+
+        wait_for(full_strength_after_every_fault, 450, "full strength after every fault")
+        joined = {e.replica for e in job.events("replica-joined")}
         after = proc_stats(survivor)
         stopped = job.stub.Stop(pb.StopRequest(reason="churn test done"), timeout=10)
         assert stopped.accepted, stopped.reason
@@ -134,7 +143,9 @@ def test_churn_brings_capacity_back_bitwise_without_leaks(tmp_path: Path,
     failures = {(f["replica"], f["phase"], f["cause"]) for f in summary["failures"]}
     assert any(r == 1 and cause == "external" for r, _, cause in failures), failures
     assert {(0, "donate"), (5, "join"), (3, "forward")} <= {(r, p) for r, p, _ in failures}
-    assert sorted(summary["live_replicas"]) == [2, 4, 6, 7]  # full strength again
+    # Full strength again: the untouched survivor and replacements that joined the job.
+    live = sorted(summary["live_replicas"])
+    assert len(live) == 4 and 2 in live and set(live) - {2} <= joined, (live, joined)
     # The survivor donated, rebuilt its group many times: its memory and sockets did not grow.
     assert after[0] < before[0] * 1.25 + 20_000, (before, after)
     assert after[1] <= before[1] + 2, (before, after)
