@@ -6,7 +6,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from recover.controller.records import Records, Write
+from recover.controller.records import KeyValue, Records
 from recover.proto import pb
 
 log = logging.getLogger("recover.controller")
@@ -23,7 +23,7 @@ class EventLog:
         self._records = records
         self._clock = clock
         self._events: list[pb.Event] = []
-        self._pending: list[Write] = []
+        self._pending: list[KeyValue] = []
 
     def emit(
         self,
@@ -55,7 +55,7 @@ class EventLog:
         )
         return event
 
-    def defer(self, write: Write) -> None:
+    def defer(self, write: KeyValue) -> None:
         """Write this with the next flush (off the critical path, like the events)."""
         self._pending.append(write)
 
@@ -68,7 +68,7 @@ class EventLog:
         if self._pending:
             await self._records.store.put_many(self.take_pending())
 
-    def take_pending(self) -> list[Write]:
+    def take_pending(self) -> list[KeyValue]:
         """The writes waiting for the next flush, handed over to ride along with a write the
         caller makes anyway (a new generation): what led to it is then never lost with a
         leader that is deposed right after."""

@@ -30,7 +30,7 @@ from typing import TypeVar
 from recover.controller.store import Store
 from recover.proto import pb
 
-Write = tuple[str, bytes]
+KeyValue = tuple[str, bytes]
 """A key and its value, to be written together with others in one store transaction."""
 
 
@@ -164,7 +164,7 @@ class Records:
     async def save_workload(self, workload: pb.WorkloadInfo) -> None:
         await self.store.put(self.keys.workload, workload.SerializeToString())
 
-    async def save_view(self, view: pb.GenerationView, riding_along: list[Write]) -> None:
+    async def save_view(self, view: pb.GenerationView, riding_along: list[KeyValue]) -> None:
         """A generation, before anyone hears of it; `riding_along`: deferred writes (events,
         failures) that must not be lost with a leader deposed right after."""
         await self.store.put_many([*riding_along, (self.keys.generation, view.SerializeToString())])
@@ -188,10 +188,10 @@ class Records:
     async def save_result(self, result: pb.Shutdown) -> None:
         await self.store.put(self.keys.result, result.SerializeToString())
 
-    def event_write(self, event: pb.Event) -> Write:
+    def event_write(self, event: pb.Event) -> KeyValue:
         return self.keys.event(event.seq), event.SerializeToString()
 
-    def failure_write(self, number: int, failure: pb.FailureRecord) -> Write:
+    def failure_write(self, number: int, failure: pb.FailureRecord) -> KeyValue:
         return self.keys.failure(number), failure.SerializeToString()
 
     # ------------------------------------------------------------ reads
