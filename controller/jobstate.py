@@ -1,5 +1,5 @@
-"""The job's state as the coordinator keeps it: lifecycle, agents, replicas, the step in
-flight, and the messages and records built from it."""
+"""The job's lifecycle, the step in flight's reports, and the messages and records built
+from them (the job's state itself is `view.JobView`)."""
 
 from __future__ import annotations
 
@@ -37,31 +37,6 @@ TERMINAL = (JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED)
 
 class RegistrationRefused(Exception):
     """An agent asked to join a job that cannot take it; the message says why."""
-
-
-@dataclass
-class ReplicaInfo:
-    replica_id: int
-    agent_id: str
-    ready: bool = False
-    alive: bool = True
-    pid: int = 0
-    slot: int = 0
-    """Its slot on the agent (a restart gets a new replica on the same slot)."""
-    transfer_address: str = ""
-    """Where it accepts a donor's state (from its `ready`)."""
-
-
-@dataclass
-class AgentInfo:
-    agent_id: str
-    host: str
-    replicas: list[int]
-    last_heartbeat: float
-    alive: bool = True
-    subject: str = ""
-    """The identity that registered it (certificate or token; empty in plaintext): only it
-    may rejoin as this agent."""
 
 
 def sample_digest(sample_ids: Iterable[int]) -> str:

@@ -1,20 +1,20 @@
-"""Carrying out joins for the coordinator: start transfers, follow them, retry, admit.
+"""Joins as transitions: start transfers, follow them, retry, admit.
 
 The decisions (which donor, when a joiner enters, whether to retry) are pure
-functions in joins.py; this module sends the commands and keeps the state of
-each join. A joiner enters the generation that follows a commit: the commit
-goes out without the next plan, and the new generation's plan covers the
-joiners too (coordinator.py).
+functions in joins.py; these transitions record the commands and keep each join
+in the view (`JobView.joins`, the joiner's `ReplicaState` moving with it). A joiner
+enters the generation that follows a commit: the commit goes out without the next
+plan, and the new generation's plan covers the joiners too (commits.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import secrets
 from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
+from recover.controller import effects
 from recover.controller.joins import (
     RETRY_DELAY_S,
     Join,
@@ -23,129 +23,103 @@ from recover.controller.joins import (
     choose_donor,
     entry,
 )
+from recover.controller.view import Draft, ReplicaState
 from recover.proto import pb
 
-if TYPE_CHECKING:
-    from recover.controller.coordinator import Coordinator
+
+def add(d: Draft, replica: int, address: str) -> None:
+    """A replica that became ready while the job runs: bring it in."""
+    if d.v.replicas[replica].transfer_address != address:
+        d.change_replica(replica, transfer_address=address)
+    _start(d, Join(replica))
 
 
-class JoinFlow:
-    def __init__(self, coordinator: Coordinator) -> None:
-        self.c = coordinator
-        self.joins: dict[int, Join] = {}
-        self.addresses: dict[int, str] = {}
-        """Each joiner's transfer address (from its `ready`)."""
-        self.transfers: list[tuple[int, float]] = []
-        """(bytes, seconds) of every snapshot transferred, for metrics and the summary."""
-        self.joined = 0
-        self.abandoned = 0
+def _start(d: Draft, join: Join) -> None:
+    v = d.v
+    donating = Counter(j.donor for j in v.joins.values()
+                       if j.phase is not JoinPhase.WAITING_DONOR and j.joiner != join.joiner)
+    load = {m: len(v.plan.get(m, ())) for m in v.members}
+    choice = choose_donor(v.members, load, donating, join.failed_donors)
+    if choice.donor is None:
+        d.put_join(dataclasses.replace(join, phase=JoinPhase.WAITING_DONOR))
+        return
+    join = dataclasses.replace(join, phase=JoinPhase.TRANSFERRING, donor=choice.donor,
+                               token=d.facts.token(), attempts=join.attempts + 1,
+                               started_at=d.now)
+    d.put_join(join)
+    d.send(v.replicas[choice.donor].agent_id, pb.ControllerMessage(donate=pb.Donate(
+        donor=choice.donor, joiner=join.joiner, address=v.replicas[join.joiner].transfer_address,
+        token=join.token)))
+    d.send(v.replicas[join.joiner].agent_id, pb.ControllerMessage(join=pb.Join(
+        joiner=join.joiner, donor=choice.donor, token=join.token, attempt=join.attempts)))
+    d.emit("join-started", f"attempt {join.attempts}: {choice.reason}", step=v.step,
+           replica=join.joiner)
 
-    def add(self, replica: int, address: str) -> None:
-        """A replica that became ready while the job runs: bring it in."""
-        self.addresses[replica] = address
-        self.joins[replica] = Join(replica)
-        self._start(self.joins[replica])
 
-    def forget(self, replica: int) -> None:
-        self.joins.pop(replica, None)
+def progress(d: Draft, replica: int, msg: pb.JoinProgress) -> None:
+    join = d.v.joins.get(replica)
+    if join is None or msg.attempt != join.attempts:
+        d.do(effects.Stale())  # a report of an attempt that was already replaced
+        return
+    if join.snapshot_bytes == 0 and msg.snapshot_bytes:
+        join = dataclasses.replace(join, snapshot_bytes=msg.snapshot_bytes,
+                                   snapshot_s=msg.snapshot_s)
+        d.do(effects.Transferred(msg.snapshot_bytes, msg.snapshot_s))
+        rate = msg.snapshot_bytes / msg.snapshot_s / 1e6 if msg.snapshot_s > 0 else 0.0
+        d.emit("state-transfer", f"{msg.snapshot_bytes} bytes from replica {join.donor} in "
+               f"{msg.snapshot_s:.3f}s ({rate:.0f} MB/s), state before step {msg.step}",
+               step=d.v.step, replica=replica)
+    join = dataclasses.replace(join, step=msg.step)
+    if join.step >= d.v.step:
+        join = dataclasses.replace(join, phase=JoinPhase.CAUGHT_UP)
+    d.put_join(join)
 
-    @property
-    def spares(self) -> list[int]:
-        return sorted(j.joiner for j in self.joins.values() if j.phase is JoinPhase.CAUGHT_UP)
 
-    def _start(self, join: Join) -> None:
-        c = self.c
-        donating = Counter(j.donor for j in self.joins.values()
-                           if j.phase is not JoinPhase.WAITING_DONOR)
-        load = {m: len(c.plan.get(m, ())) for m in c.members}
-        choice = choose_donor(c.members, load, donating, join.failed_donors)
-        if choice.donor is None:
-            join.phase = JoinPhase.WAITING_DONOR
-            return
-        join.phase, join.donor = JoinPhase.TRANSFERRING, choice.donor
-        join.token = secrets.token_hex(16)
-        join.attempts += 1
-        join.started_at = c.now()
-        donor_agent = c.replicas[choice.donor].agent_id
-        joiner_agent = c.replicas[join.joiner].agent_id
-        c.send_to(donor_agent, pb.ControllerMessage(donate=pb.Donate(
-            donor=choice.donor, joiner=join.joiner, address=self.addresses[join.joiner],
-            token=join.token)))
-        c.send_to(joiner_agent, pb.ControllerMessage(join=pb.Join(
-            joiner=join.joiner, donor=choice.donor, token=join.token, attempt=join.attempts)))
-        c.events.emit("join-started", f"attempt {join.attempts}: {choice.reason}",
-                      step=c.step, replica=join.joiner)
+def attempt_failed(d: Draft, replica: int, msg: pb.JoinFailed) -> None:
+    """A transfer to a joiner that is not a member yet broke: try another donor, or give up."""
+    join = d.v.joins.get(replica)
+    if join is None or msg.attempt != join.attempts:
+        d.do(effects.Stale())  # a report of an attempt that was already replaced
+        return
+    join = dataclasses.replace(join, step=max(join.step, msg.step))  # what it holds is good
+    retry = after_failure(join, msg.reason)
+    if not retry.retry:
+        d.drop_join(replica)
+        d.change_replica(replica, state=ReplicaState.READY)  # stopped: its exit is recorded
+        d.set(abandoned=d.v.abandoned + 1)
+        d.emit("join-abandoned", retry.reason, replica=replica, level=logging.WARNING)
+        d.send(d.v.replicas[replica].agent_id, pb.ControllerMessage(
+            stop_replica=pb.StopReplica(replica=replica, reason=retry.reason)))
+        return
+    d.emit("join-failed", retry.reason, replica=replica, level=logging.WARNING)
+    d.put_join(dataclasses.replace(
+        join, failed_donors=(*join.failed_donors, join.donor), phase=JoinPhase.WAITING_DONOR,
+        retry_at=d.now + RETRY_DELAY_S))
 
-    def progress(self, replica: int, msg: pb.JoinProgress) -> None:
-        join = self.joins.get(replica)
-        if join is None or msg.attempt != join.attempts:
-            self.c.stale_reports += 1  # a report of an attempt that was already replaced
-            return
-        if join.snapshot_bytes == 0 and msg.snapshot_bytes:
-            join.snapshot_bytes, join.snapshot_s = msg.snapshot_bytes, msg.snapshot_s
-            self.transfers.append((msg.snapshot_bytes, msg.snapshot_s))
-            rate = msg.snapshot_bytes / msg.snapshot_s / 1e6 if msg.snapshot_s > 0 else 0.0
-            self.c.events.emit("state-transfer", f"{msg.snapshot_bytes} bytes from replica "
-                               f"{join.donor} in {msg.snapshot_s:.3f}s ({rate:.0f} MB/s), "
-                               f"state before step {msg.step}", step=self.c.step, replica=replica)
-        join.step = msg.step
-        if join.step >= self.c.step:
-            join.phase = JoinPhase.CAUGHT_UP
 
-    async def failed(self, replica: int, msg: pb.JoinFailed) -> None:
-        c = self.c
-        if replica in c.members:
-            if msg.step >= c.step:
-                # It holds every step before the one being computed (a spare that entered a
-                # recovery mid-step, whose donor was the replica lost): nothing is missing.
-                c.stale_reports += 1
-                return
-            # Admitted, but its stream broke before it had every step it needed: it cannot
-            # enter; recover as from a crash (its agent restarts it).
-            await c.worker_lost(replica, f"replica {replica} lost its donor while entering")
-            return
-        join = self.joins.get(replica)
-        if join is None or msg.attempt != join.attempts:
-            c.stale_reports += 1  # a report of an attempt that was already replaced
-            return
-        join.step = max(join.step, msg.step)  # what it holds is still good
-        retry = after_failure(join, msg.reason)
-        if not retry.retry:
-            self.forget(replica)
-            self.abandoned += 1
-            c.events.emit("join-abandoned", retry.reason, replica=replica, level=logging.WARNING)
-            c.send_to(c.replicas[replica].agent_id, pb.ControllerMessage(
-                stop_replica=pb.StopReplica(replica=replica, reason=retry.reason)))
-            return
-        c.events.emit("join-failed", retry.reason, replica=replica, level=logging.WARNING)
-        join.failed_donors.append(join.donor)
-        join.phase = JoinPhase.WAITING_DONOR
-        join.retry_at = c.now() + RETRY_DELAY_S
+def retry_waiting(d: Draft) -> None:
+    """Joins that found no donor, or whose transfer failed a moment ago: try again."""
+    for join in list(d.v.joins.values()):
+        if join.phase is JoinPhase.WAITING_DONOR and join.retry_at <= d.now:
+            _start(d, join)
 
-    def retry_waiting(self) -> None:
-        """Joins that found no donor, or whose transfer failed a moment ago: try again."""
-        now = self.c.now()
-        for join in list(self.joins.values()):
-            if join.phase is JoinPhase.WAITING_DONOR and join.retry_at <= now:
-                self._start(join)
 
-    def entering(self, enters_at: int, *, final: bool = False,
-                 replacing: Sequence[int] | None = None) -> list[int]:
-        """The joiners that become members from step `enters_at` on: after the commit of
-        the step before it, or in the middle of that step in place of lost members, next to
-        the members `replacing` names (the survivors): only those holding its state."""
-        c = self.c
-        chosen: list[int] = []
-        members = len(c.members) if replacing is None else len(replacing)
-        for join in sorted(self.joins.values(), key=lambda j: j.joiner):
-            verdict = entry(join, enters_at, in_flight=1 if replacing is None else 0,
-                            members=members + len(chosen), target=c.job.replicas, final=final)
-            if verdict.enter:
-                chosen.append(join.joiner)
-                self.forget(join.joiner)
-                self.joined += 1
-                c.events.emit("spare-promoted" if join.spare else "replica-joined",
-                              verdict.reason, step=enters_at, replica=join.joiner)
-            elif verdict.spare:
-                join.spare = True
-        return chosen
+def entering(d: Draft, enters_at: int, *, final: bool = False,
+             replacing: Sequence[int] | None = None) -> list[int]:
+    """The joiners that become members from step `enters_at` on: after the commit of
+    the step before it, or in the middle of that step in place of lost members, next to
+    the members `replacing` names (the survivors): only those holding its state."""
+    chosen: list[int] = []
+    members = len(d.v.members) if replacing is None else len(replacing)
+    for join in sorted(d.v.joins.values(), key=lambda j: j.joiner):
+        verdict = entry(join, enters_at, in_flight=1 if replacing is None else 0,
+                        members=members + len(chosen), target=d.v.job.replicas, final=final)
+        if verdict.enter:
+            chosen.append(join.joiner)
+            d.drop_join(join.joiner)
+            d.set(joined=d.v.joined + 1)
+            d.emit("spare-promoted" if join.spare else "replica-joined", verdict.reason,
+                   step=enters_at, replica=join.joiner)
+        elif verdict.spare and not join.spare:
+            d.put_join(dataclasses.replace(join, spare=True))
+    return chosen

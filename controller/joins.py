@@ -20,7 +20,7 @@ step and is admitted the moment a member is lost.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 
 MAX_ATTEMPTS = 5
@@ -36,7 +36,7 @@ class JoinPhase(StrEnum):
     CAUGHT_UP = "caught-up"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Join:
     """One replica's way into the running job."""
 
@@ -45,7 +45,7 @@ class Join:
     donor: int = -1
     token: str = ""
     attempts: int = 0
-    failed_donors: list[int] = field(default_factory=list)
+    failed_donors: tuple[int, ...] = ()
     step: int = -1
     """The next step the joiner needs (it applied every step before it); -1: no state yet.
     Kept across attempts: a joiner's state stays good when a transfer breaks."""

@@ -104,7 +104,7 @@ class ControllerCollector(Collector):
                                  labels=["agent"])
         for agent in c.agents.values():
             if agent.alive:
-                ages.add_metric([agent.agent_id], now - agent.last_heartbeat)
+                ages.add_metric([agent.agent_id], now - c.heartbeats.get(agent.agent_id, now))
         yield ages
         yield CounterMetricFamily("recover_fenced_messages", "Stale reports refused",
                                   value=c.stale_reports)

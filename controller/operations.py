@@ -1,7 +1,7 @@
 """What an operator may do to a running job: stop it, drain a host, change the spares.
 
 Each request is decided by a pure function (table-tested) that says whether and why;
-the `Operations` mixin of the coordinator carries it out. Stops and drains take
+the transitions below carry it out. Stops and drains take
 effect at the next step boundary, so the step in flight still sums all its
 microbatches and nothing is recorded as a failure: a stopped job writes its summary
 (and, when it checkpoints, a checkpoint of where it stopped, to resume from); a
@@ -13,17 +13,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from recover.controller import effects
 from recover.controller.jobstate import TERMINAL, JobState
+from recover.controller.transitions import retire, stop_now
+from recover.controller.view import Draft, ReplicaState
 from recover.proto import pb
-
-if TYPE_CHECKING:
-    from recover.controller.coordinator import Coordinator
-
-    _Base = Coordinator
-else:
-    _Base = object
 
 MAX_SPARES = 1024
 
@@ -81,80 +76,63 @@ def spares_decision(spares: int, current: int, spare_replicas: list[int]) -> tup
     return Decision(True, f"spares {current} -> {spares}{stopping}"), extra
 
 
-class Operations(_Base):
-    stopping: str = ""
-    """Why the job stops at the next step boundary (an operator asked); empty otherwise."""
-
-    async def request_stop(self, by: str, reason: str) -> Decision:
-        decision = stop_decision(self.state, self.stopping)
-        if not decision.accepted:
-            return decision
-        self.stopping = f"stopped by {by}" + (f": {reason}" if reason else "")
-        self.events.emit("stop-requested", f"{self.stopping}; {decision.reason}", step=self.step)
-        if self.state is JobState.WAITING:
-            await self.stop_now()
+def request_stop(d: Draft, by: str, reason: str) -> Decision:
+    decision = stop_decision(d.v.state, d.v.stopping)
+    if not decision.accepted:
         return decision
+    d.set(stopping=f"stopped by {by}" + (f": {reason}" if reason else ""))
+    d.emit("stop-requested", f"{d.v.stopping}; {decision.reason}", step=d.v.step)
+    if d.v.state is JobState.WAITING:
+        stop_now(d)
+    return decision
 
-    async def stop_now(self) -> None:
-        self.state = JobState.STOPPED
-        self.reason = self.stopping
-        self.finished_at = self._clock()
-        self.events.emit("stopped", f"{self.reason}; {len(self.steps)} steps committed",
-                         step=self.step)
-        await self._end(success=False)
 
-    async def request_drain(self, agent_id: str, by: str, reason: str) -> Decision:
-        agent = self.agents.get(agent_id)
-        hosted = [r for r in agent.replicas if r in self.members] if agent else []
-        decision = drain_decision(agent_id, state=self.state,
-                                  alive={a.agent_id: a.alive for a in self.agents.values()},
-                                  hosted_members=hosted, members=self.members,
-                                  draining=self.draining)
-        if decision.accepted:
-            self.draining.add(agent_id)
-            self.events.emit("drain-requested", f"by {by}" + (f" ({reason})" if reason else "")
-                             + f": {decision.reason}", step=self.step)
+def request_drain(d: Draft, agent_id: str, by: str, reason: str) -> Decision:
+    v = d.v
+    agent = v.agents.get(agent_id)
+    hosted = [r for r in agent.replicas if r in v.members] if agent else []
+    decision = drain_decision(agent_id, state=v.state,
+                              alive={a.agent_id: a.alive for a in v.agents.values()},
+                              hosted_members=hosted, members=v.members, draining=v.draining)
+    if decision.accepted:
+        d.set(draining=v.draining | {agent_id})
+        d.emit("drain-requested", f"by {by}" + (f" ({reason})" if reason else "")
+               + f": {decision.reason}", step=v.step)
+    return decision
+
+
+def set_spares(d: Draft, spares: int, by: str) -> Decision:
+    decision, extra = spares_decision(spares, d.v.job.spares, d.v.spares)
+    if not decision.accepted or spares == d.v.job.spares:
         return decision
+    # A new config, stored before it is in force (the old one is never edited in place:
+    # messages already built from it keep what they said).
+    job = pb.JobConfig()
+    job.CopyFrom(d.v.job)
+    job.spares = spares
+    d.do(effects.SaveJob(job))
+    d.set(job=job)
+    for replica in extra:
+        retire(d, replica, f"spares reduced to {spares} by {by}")
+    d.emit("spares-changed", f"by {by}: {decision.reason}", step=d.v.step)
+    return decision
 
-    async def set_spares(self, spares: int, by: str) -> Decision:
-        decision, extra = spares_decision(spares, self.job.spares, self.joins.spares)
-        if not decision.accepted or spares == self.job.spares:
-            return decision
-        # A new config, stored before it is in force (the old one is never edited in place:
-        # messages already built from it keep what they said).
-        job = pb.JobConfig()
-        job.CopyFrom(self.job)
-        job.spares = spares
-        await self.records.save_job(job)
-        self.job = job
-        for replica in extra:
-            self._retire(replica, f"spares reduced to {spares} by {by}")
-        self.events.emit("spares-changed", f"by {by}: {decision.reason}", step=self.step)
-        return decision
 
-    def _retire(self, replica: int, why: str) -> None:
-        """A replica leaves without a failure: forgotten first, so its exit is no loss."""
-        info = self.replicas[replica]
-        info.alive = False
-        self.joins.forget(replica)
-        self._send(info.agent_id, pb.ControllerMessage(
-            stop_replica=pb.StopReplica(replica=replica, reason=why)))
+def leaving_at_boundary(d: Draft) -> list[int]:
+    """Members of agents being drained: they leave with this commit."""
+    return [m for m in d.v.members if d.v.replicas[m].agent_id in d.v.draining]
 
-    def leaving_at_boundary(self) -> list[int]:
-        """Members of agents being drained: they leave with this commit."""
-        return [m for m in self.members if self.replicas[m].agent_id in self.draining]
 
-    async def finish_drains(self) -> None:
-        """After the commit that took the drained agents' replicas out: stop those agents."""
-        for agent_id in sorted(self.draining):
-            agent = self.agents[agent_id]
-            for r in agent.replicas:
-                if self.replicas[r].alive:
-                    self.replicas[r].alive = False
-                    self.joins.forget(r)
-            agent.alive = False
-            self._send(agent_id, pb.ControllerMessage(shutdown=pb.Shutdown(
-                reason="drained by an operator", success=True, state="drained")))
-            self.events.emit("drained", f"agent {agent_id} left the job", step=self.step,
-                             level=logging.INFO)
-        self.draining.clear()
+def finish_drains(d: Draft) -> None:
+    """After the commit that took the drained agents' replicas out: stop those agents."""
+    for agent_id in sorted(d.v.draining):
+        agent = d.v.agents[agent_id]
+        for r in agent.replicas:
+            if d.v.replicas[r].alive:
+                d.drop_join(r)
+                d.change_replica(r, state=ReplicaState.RETIRED)
+        d.change_agent(agent_id, alive=False)
+        d.send(agent_id, pb.ControllerMessage(shutdown=pb.Shutdown(
+            reason="drained by an operator", success=True, state="drained")))
+        d.emit("drained", f"agent {agent_id} left the job", step=d.v.step, level=logging.INFO)
+    d.set(draining=frozenset())

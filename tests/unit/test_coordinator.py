@@ -4,10 +4,12 @@ start, plans and the commit protocol."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 import pytest
 
 from recover.controller.jobstate import JobState, RegistrationRefused, sample_digest
+from recover.controller.policy import PlanDecision, RecoverPolicy
 from recover.proto import pb
 from tests.unit.coordinator_harness import (
     JOB_ID,
@@ -234,13 +236,18 @@ def test_a_report_that_is_not_the_plan_costs_its_member_not_the_job(reports, why
     asyncio.run(body())
 
 
+class BrokenPolicy(RecoverPolicy):
+    def plan(self, members: Sequence[int], global_microbatches: int) -> PlanDecision:
+        return PlanDecision({0: (0, 1), 1: (2,)}, "a bug: microbatch 3 is nobody's")
+
+
 def test_a_plan_that_does_not_cover_all_microbatches_is_never_committed():
     """The backstop behind the members' checks: should the plan itself ever miss a
     microbatch (a bug), the step is refused and the job fails rather than drift."""
     async def body():
         h = Harness(make_job(replicas=2, m=4))
+        h.coord.policy = BrokenPolicy()
         await h.start()
-        h.coord.plan = {0: (0, 1), 1: (2,)}  # as a broken policy would plan it
         for replica in (0, 1):
             await h.coord.reduced(replica, h.reduced_msg(replica))
         assert h.coord.state is JobState.FAILED

@@ -36,7 +36,7 @@ async def test_a_restarted_worker_gets_a_fresh_id_joins_and_enters_at_a_commit()
     await h.coord.worker_exited(pb.WorkerExited(replica=1, signal=9))
     assert h.coord.members == [0, 2]
     replica = await restart(h, "a1")
-    assert replica == 3 and h.coord.agents["a1"].replicas == [1, 3]
+    assert replica == 3 and h.coord.agents["a1"].replicas == (1, 3)
     stored = pb.AgentRecord.FromString(await h.store.get("/recover/job-unit/agents/a1"))
     assert list(stored.replica_ids) == [1, 3]  # a new leader knows who hosts it
     await h.coord.worker_ready(3, ready(3))
@@ -241,8 +241,8 @@ async def test_without_a_replacement_the_job_starts_with_min_replicas_after_the_
     await h.coord.check_liveness()
     assert h.coord.state is JobState.WAITING
     h.clock.now += h.coord.start_grace_s + 0.5
-    for agent in h.coord.agents.values():
-        agent.last_heartbeat = h.clock.now
+    for agent_id in h.coord.agents:
+        h.coord.heartbeat(agent_id)
     await h.coord.check_liveness()
     assert h.coord.state is JobState.RUNNING and h.coord.members == [0, 1]
     assert "starting with 2 of 3 replicas" in h.events("started")[0].message

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from recover.controller.joins import (
@@ -55,6 +57,5 @@ def test_after_failure_retries_then_gives_up():
     join = Join(joiner=3, attempts=1)
     retry = after_failure(join, "peer closed")
     assert retry.retry and f"attempt 2 of {MAX_ATTEMPTS}" in retry.reason
-    join.attempts = MAX_ATTEMPTS
-    retry = after_failure(join, "peer closed")
+    retry = after_failure(dataclasses.replace(join, attempts=MAX_ATTEMPTS), "peer closed")
     assert not retry.retry and "abandoned" in retry.reason and "peer closed" in retry.reason
