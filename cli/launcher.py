@@ -25,6 +25,7 @@ from recover.cli.localtls import local_tls
 from recover.cli.preflight import check_out, check_store
 from recover.client.connect import ControllerUnreachable, connect_leader
 from recover.client.launch import hand_over
+from recover.common import ckptfile
 from recover.common.security import Security
 from recover.controller.summary import build_summary, format_summary, write_summary
 from recover.proto import pb
@@ -171,16 +172,31 @@ def check_command(command: list[str]) -> None:
                          "from the current directory)")
 
 
+def check_checkpoint_folder(folder: str) -> None:
+    """Make the folder and its key now (every host of a local job is this one), so that a
+    folder that cannot hold them is one line before anything starts, not a failed write."""
+    if folder:
+        try:
+            ckptfile.folder_key(Path(folder), create=True)
+        except ckptfile.CheckpointError as exc:
+            raise UsageError(f"recover run: --checkpoint-dir {folder!r}: {exc}") from None
+        except OSError as exc:
+            raise UsageError(f"recover run: --checkpoint-dir {folder!r}: "
+                             f"{exc.strerror or exc}") from None
+
+
 def run_local(args: argparse.Namespace) -> int:
+    job_config = job_from_args(args)
     if args.resume is not None:
         from recover.cli.resume import resumed_job
 
-        job_config, _, notes = resumed_job(args.resume)
+        job_config, notes = resumed_job(args.resume, job_config,
+                                         job_id_given=args.job_id is not None,
+                                         checkpoint_dir_given=args.checkpoint_dir is not None)
         for note in notes:
             print(f"recover run: {note}", file=sys.stderr)
-    else:
-        job_config = job_from_args(args)
     check_command(list(job_config.workload.command))
+    check_checkpoint_folder(job_config.checkpoint.dir)
     check_out(args.out)
     check_store(args.store, "recover run", args.store_timeout)
     if args.controllers < 1:
@@ -215,7 +231,6 @@ def run_local(args: argparse.Namespace) -> int:
                 "--port", "0", "--port-file", str(port_file), "--store", args.store,
                 "--controller-id", controller_name(index), "--start-timeout",
                 repr(args.start_timeout), "--start-grace", repr(args.start_grace),
-                *(["--resume", job_config.resume.path] if job_config.resume.path else []),
                 *(tls.flags("controller") if tls else []),
                 *handed_over])
         addresses = [f"127.0.0.1:{_wait_for_port(job, controller_name(i), f)}"

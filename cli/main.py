@@ -94,8 +94,9 @@ def build_parser() -> Parser:
                      help="after a worker failed during startup: seconds its replacement gets "
                           "before the job starts without it (default 10)")
     run.add_argument("--resume", default=None, metavar="DIR",
-                     help="restart a job that lost every replica from its newest intact "
-                          "checkpoint in DIR (the job as checkpointed; other job flags ignored)")
+                     help="restart a job that lost every replica from its newest authentic "
+                          "checkpoint in DIR: give the job's flags and command again (those "
+                          "that decide the trajectory are checked against the checkpoint)")
     run.add_argument("--tls", action="store_true",
                      help="mutual TLS between every component of the local job (a throwaway "
                           "CA and certificates in OUT/tls)")
@@ -131,8 +132,9 @@ def build_parser() -> Parser:
                      help="after a worker failed during startup: seconds its replacement gets "
                           "before the job starts with --min-replicas (default 10)")
     ctl.add_argument("--resume", default=None, metavar="DIR|FILE",
-                     help="start the job of a checkpoint folder (its newest intact checkpoint) "
-                          "or file, from its step; other job flags are ignored")
+                     help="start the job from a checkpoint folder's newest authentic checkpoint "
+                          "(or a file), at its step: the job is these flags and command, "
+                          "checked against the checkpoint's")
     ctl.add_argument("--summary-out", default=None, metavar="DIR",
                      help="write DIR/summary.json when the job ends (as `recover run` does)")
     add_security_arguments(ctl)
@@ -210,14 +212,15 @@ def _run_controller(args: argparse.Namespace) -> int:
     from recover.common import logs
     from recover.controller.server import ControllerConfig, serve
 
-    if args.resume is not None:
+    job = job_from_args(args)
+    # A job handed over by `recover run` was resumed (and checked) there already.
+    if args.resume is not None and args.job_proto is None:
         from recover.cli.resume import resumed_job
 
-        job, _, notes = resumed_job(args.resume)
+        job, notes = resumed_job(args.resume, job, job_id_given=args.job_id is not None,
+                                 checkpoint_dir_given=args.checkpoint_dir is not None)
         for note in notes:
             print(f"recover controller: {note}", file=sys.stderr)
-    else:
-        job = job_from_args(args)
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port {args.port} is not a port number")
     if args.advertise is not None:

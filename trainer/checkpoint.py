@@ -4,10 +4,11 @@ A job survives losing replicas without checkpoints (joins copy state from a
 live replica); a checkpoint is for losing all of them. At a step boundary the
 first member copies its state in memory (the only time the training loop
 pays), and a background thread writes the copy (common/ckptfile.py: atomic,
-checksummed, old ones pruned) while training goes on. The schedule is keyed by
-the step (`every_steps`), so whichever replica is first writes the same
-checkpoints; `every_s` uses the writer's clock. A checkpoint still being
-written when the next is due makes that one skipped, not queued.
+owner-only, authenticated with the folder's key, old ones pruned) while
+training goes on. The schedule is keyed by the step (`every_steps`), so
+whichever replica is first writes the same checkpoints; `every_s` uses the
+writer's clock. A checkpoint still being written when the next is due makes
+that one skipped, not queued.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class CheckpointWriter:
         try:
             path = ckptfile.write(self.folder, meta, (as_bytes(t) for t in tensors))
             removed = ckptfile.prune(self.folder, self.config.keep or ckptfile.DEFAULT_KEEP)
-        except OSError as exc:
+        except (OSError, ckptfile.CheckpointError) as exc:  # a disk, or the folder's key
             log.error("checkpoint of step %d failed: %s", meta.step, exc)
             self._report(pb.CheckpointWritten(step=meta.step, error=str(exc)))
             return
@@ -108,13 +109,22 @@ class CheckpointWriter:
 
 
 def load(path: str) -> tuple[pb.CheckpointMeta, Any]:
-    """The checkpoint's meta and its state tree (checksum verified)."""
-    meta, offset = ckptfile.read_meta(Path(path))
-    tensors = list(empty_tensors(meta.state.tensors))
-    with open(path, "rb") as f:
-        f.seek(offset)
-        for tensor in tensors:
-            view = as_bytes(tensor)
-            if f.readinto(view) != len(view):
-                raise ckptfile.CheckpointError(f"{Path(path).name} is truncated")
+    """The checkpoint's meta and its state tree, every byte authenticated (one pass)."""
+    tensors: list[torch.Tensor] = []
+
+    def buffers(meta: pb.CheckpointMeta) -> list[memoryview]:
+        tensors.extend(empty_tensors(meta.state.tensors))
+        return [as_bytes(t) for t in tensors]
+
+    meta = ckptfile.read(Path(path), buffers)
     return meta, decode(meta.state.root, tensors)
+
+
+def committed_digest(meta: pb.CheckpointMeta) -> str | None:
+    """The parameter digest the ledger committed for the state a checkpoint holds (after
+    step `meta.step - 1`: its writer's, else any member's); None when the ledger has none."""
+    if not meta.ledger or meta.ledger[-1].step != meta.step - 1:
+        return None
+    digests = meta.ledger[-1].param_sha256
+    own = [d.param_sha256 for d in digests if d.replica == meta.writer]
+    return (own or [d.param_sha256 for d in digests] or [None])[0]

@@ -21,9 +21,10 @@ from recover.common.ckptfile import CheckpointError
 from recover.common.progress import ProgressBeacon
 from recover.proto import pb
 from recover.trainer.channel import AgentChannel
-from recover.trainer.checkpoint import CheckpointWriter
+from recover.trainer.checkpoint import CheckpointWriter, committed_digest
 from recover.trainer.checkpoint import load as load_checkpoint
 from recover.trainer.destinations import OwnTensors
+from recover.trainer.digest import parameter_digest
 from recover.trainer.errors import contract_error
 from recover.trainer.gradients import GradientBuckets
 from recover.trainer.groups import CrossReplicaGroup, GroupFactory, build_group
@@ -143,13 +144,24 @@ class ExecutorBase(ABC):
         self.state_loaded = True
 
     def load_checkpoint(self, resume: pb.ResumePoint) -> None:
-        """The state a resumed job starts from (its checksum verified again here)."""
+        """The state a resumed job starts from: authenticated again here (the file may have
+        changed since the launcher chose it), of the step the job resumes at, and holding
+        the parameters the ledger committed for that step."""
         try:
             meta, state = load_checkpoint(resume.path)
         except (CheckpointError, OSError) as exc:
             raise contract_error(f"cannot resume from {resume.path}: {exc}",
                                  where="resume") from None
+        if meta.step != resume.step:
+            raise contract_error(f"cannot resume from {resume.path}: it holds the state before "
+                                 f"step {meta.step}, the job resumes at {resume.step}",
+                                 where="resume")
         self.load_training_state(state, meta.step, list(meta.ledger))
+        committed = committed_digest(meta)
+        if committed is not None and parameter_digest(self.workload.model) != committed:
+            raise contract_error(f"cannot resume from {resume.path}: the parameters loaded are "
+                                 f"not the ones the ledger committed after step {meta.step - 1}",
+                                 where="resume")
         log.info("resumed from %s at step %d", resume.path, meta.step, extra=self._ctx())
 
     def _ctx(self) -> dict[str, int]:

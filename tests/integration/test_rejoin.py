@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import subprocess
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import pytest
 from recover.cli.verify import compare
 from recover.common import ckptfile
 from recover.proto import pb, rpc
+from tests.ckptforge import forge, payload_job
 from tests.etcd_cluster import free_port
 from tests.integration.conftest import (
     Processes,
@@ -207,8 +209,11 @@ def test_a_replacement_host_started_by_hand_joins(tmp_path: Path,
 
 def test_a_job_that_lost_everything_resumes_bitwise_from_its_checkpoint(
         tmp_path: Path, reference: dict[str, Any]) -> None:
-    """Kill every process of the job mid-training, damage the newest checkpoint, resume:
-    the previous one is used, saying so, and every step equals the uninterrupted run's."""
+    """Kill every process of the job mid-training, damage the newest checkpoint and plant
+    two forged newer ones naming a payload command, resume: the newest authentic one is
+    used, saying why the others were passed over, no payload runs, and every step equals
+    the uninterrupted run's."""
+    # Real processes: a payload would run as the workers agents spawn, from the file `--resume` picks.
     out, checkpoints = tmp_path / "run", tmp_path / "checkpoints"
     proc = subprocess.Popen(recover_cmd("run", "--out", str(out), *ARGS, "--checkpoint-dir",
                                         str(checkpoints), "--checkpoint-every", "10"),
@@ -221,18 +226,31 @@ def test_a_job_that_lost_everything_resumes_bitwise_from_its_checkpoint(
             os.kill(int(line.split()[0]), signal.SIGKILL)
         proc.kill()
         proc.wait()
-    newest_step, newest = ckptfile.listed(checkpoints)[0]
+    (newest_step, newest), (_, authentic) = ckptfile.listed(checkpoints)[:2]
     assert newest_step < 90
     with open(newest, "r+b") as f:  # a torn copy
         f.truncate(newest.stat().st_size // 2)
-    resumed = run_recover(tmp_path / "resumed", "--resume", str(checkpoints), "--quiet",
+    # The issue's attack: a newer file naming a payload, its digests recomputed (plain
+    # sha256, as the old format's), and one made by ReCoVer's own writer with another key.
+    marker, elsewhere = Path(f"/tmp/pwned-{uuid.uuid4().hex}"), tmp_path / "attacker"
+    planted = [forge(authentic, checkpoints / ckptfile.file_name(newest_step + extra),
+                     lambda meta, s=newest_step + extra: (payload_job(meta, marker, elsewhere),
+                                                          setattr(meta, "step", s)), **key)
+               for extra, key in ((5, {}), (7, {"attacker_key": os.urandom(32)}))]
+    resumed = run_recover(tmp_path / "resumed", "--resume", str(checkpoints), *ARGS,
                           timeout=180)
     assert resumed.returncode == 0, resumed.stderr
     assert f"passed over: {newest.name} is truncated" in resumed.stderr
+    assert f"passed over: {planted[0].name} fails authentication" in resumed.stderr
+    assert f"passed over: {planted[1].name} was not written with this folder's key" \
+        in resumed.stderr
     assert f"the state before step {newest_step - 10} of 90" in resumed.stderr
-    assert_bitwise_identical(resumed.summary, reference)
+    assert not marker.exists() and not elsewhere.exists()
+    assert_bitwise_identical(resumed.summary, reference)  # no loss of 999 carried either
     assert resumed.summary["steps_committed"] == 90
-    # The job's very last checkpoint is written and reported before the job ends.
+    # The job's very last checkpoint is written and reported before the job ends, owner-only.
     last = resumed.summary["last_checkpoint"]
-    assert last["step"] == 90 and Path(last["path"]).exists(), last
+    assert last["step"] == 90 and Path(last["path"]).parent == checkpoints.resolve(), last
+    assert (Path(last["path"]).stat().st_mode & 0o777, checkpoints.stat().st_mode & 0o777) \
+        == (0o600, 0o700)
     assert "last checkpoint: the state before step 90" in resumed.stdout

@@ -184,7 +184,7 @@ def test_an_operator_drains_a_host_then_stops_the_job_which_resumes_bitwise(
     log = (out / "logs" / "controller.log").read_text()
     assert "drained: agent host1 left the job" in log and "replica-failed" not in log
     assert "rejected: impostor" in log and "rejected: forbidden" in log
-    resumed = run_recover(tmp_path / "resumed", "--resume", str(checkpoints), "--tls", "--quiet",
+    resumed = run_recover(tmp_path / "resumed", "--resume", str(checkpoints), "--tls", *ARGS,
                           timeout=150)
     assert resumed.returncode == 0, resumed.stderr
     assert_bitwise_identical(resumed.summary, reference.summary)

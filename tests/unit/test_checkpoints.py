@@ -1,5 +1,6 @@
 """Checkpoint files (common/ckptfile.py), the schedule and loading (trainer/checkpoint.py),
-and the restart policy of agents (agent/restarts.py)."""
+and the restart policy of agents (agent/restarts.py). Authentication (the folder's key,
+forged and edited files, what a resume takes from a file): test_checkpoint_auth.py."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def test_a_written_checkpoint_reads_back(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("damage, message", [
     (lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]), "is truncated"),
-    (lambda p: p.write_bytes(flip(p.read_bytes(), -40)), "fails its checksum"),
+    (lambda p: p.write_bytes(flip(p.read_bytes(), -40)), "fails authentication"),
     (lambda p: p.write_bytes(b"garbage" * 10), "not a ReCoVer checkpoint"),
 ])
 def test_the_newest_intact_checkpoint_is_used_saying_why(tmp_path: Path, damage, message) -> None:
@@ -54,9 +55,14 @@ def test_the_newest_intact_checkpoint_is_used_saying_why(tmp_path: Path, damage,
         ckptfile.read_meta(newest)
 
 
-def test_no_intact_checkpoint_is_an_error_naming_the_folder(tmp_path: Path) -> None:
-    with pytest.raises(ckptfile.CheckpointError, match="no intact checkpoint"):
+def test_no_checkpoint_is_an_error_naming_the_folder(tmp_path: Path) -> None:
+    with pytest.raises(ckptfile.CheckpointError, match="no checkpoint in .*nothing-here"):
         ckptfile.latest(tmp_path / "nothing-here")
+    newest = write(tmp_path, 10)
+    newest.write_bytes(newest.read_bytes()[:100])
+    with pytest.raises(ckptfile.CheckpointError, match="no authentic, intact checkpoint in .*"
+                                                       r"\(ckpt-0000000010.rcv is truncated"):
+        ckptfile.latest(tmp_path)
 
 
 def test_pruning_keeps_the_newest(tmp_path: Path) -> None:
@@ -136,7 +142,7 @@ def test_a_failed_write_leaves_no_temporary_file_and_is_reported(tmp_path: Path)
     meta = pb.CheckpointMeta(job=pb.JobConfig(job_id="j", steps=50), step=3)
     with pytest.raises(OSError, match="No space"):
         ckptfile.write(tmp_path, meta, chunks())
-    assert not list(tmp_path.iterdir())
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.key"]  # no torn copy left
 
     reports: list[pb.CheckpointWritten] = []
     blocked = tmp_path / "not-a-folder"
@@ -154,10 +160,10 @@ def test_resuming_a_finished_job_is_refused_with_a_reason(tmp_path: Path) -> Non
 
     write(tmp_path, 50)
     with pytest.raises(UsageError, match="the job finished, there is nothing to resume"):
-        resumed_job(str(tmp_path))
+        resumed_job(str(tmp_path), pb.JobConfig(job_id="j", steps=50))
     write(tmp_path / "part", 20)
-    job, meta, notes = resumed_job(str(tmp_path / "part"))
-    assert meta.step == 20 and job.job_id == "j-from-20" and "not used" in notes[-1]
+    job, notes = resumed_job(str(tmp_path / "part"), pb.JobConfig(job_id="new", steps=50))
+    assert job.resume.step == 20 and job.job_id == "j-from-20" and "checked" in notes[-1]
 
 
 @pytest.mark.parametrize("times, now, window, counted", [
