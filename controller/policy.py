@@ -12,6 +12,19 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from recover.controller.quotas import (
+    DEFAULT_THRESHOLD,
+    QuotaError,
+    contiguous_assignment,
+    describe_quotas,
+    hand_out_ids,
+    makespan,
+    proportional_quotas,
+    quotas_of,
+    should_replan,
+)
+from recover.controller.throughput import Speeds
+
 Assignment = dict[int, tuple[int, ...]]
 """replica id -> the microbatch ids it computes in the step."""
 
@@ -181,6 +194,16 @@ class PlanPolicy(ABC):
         all of 0..M-1, the invariant)."""
         return None
 
+    def with_measurements(self, speeds: Speeds | None,
+                          current: Mapping[int, Sequence[int]] | None = None) -> PlanPolicy:
+        """This policy informed of the measured speeds and of the plan the workers hold.
+
+        How a driver hands measurements to a quota policy without changing any call of
+        `plan`/`reassign`: bind them once per transition. A policy that plans by counts
+        alone ignores them and returns itself.
+        """
+        return self
+
 
 class RecoverPolicy(PlanPolicy):
     """ReCoVer's own: uniform quotas; a lost replica's microbatches are recomputed by the
@@ -209,7 +232,127 @@ class DropPolicy(PlanPolicy):
         return [mb for ids in current.values() for mb in ids]
 
 
-POLICIES: dict[str, type[PlanPolicy]] = {p.name: p for p in (RecoverPolicy, DropPolicy)}
+class ProportionalPolicy(PlanPolicy):
+    """Quotas in proportion to measured throughput (quotas.py), so a step takes what the
+    sum of the replicas' speeds allows instead of waiting for the slowest at M/R.
+
+    Speeds come as a frozen `Speeds` snapshot (throughput.py), bound by the constructor or
+    `with_measurements` (how a driver passes them) or given per call (`speeds=`, which
+    wins), so every decision stays a pure function of its arguments. With no speeds, or
+    nobody measured, every answer is RecoverPolicy's, exactly: the coordinator's calls
+    `plan(members, M)` and `reassign(plan, lost, survivors, spares)` work unchanged and
+    mean what they mean today.
+    """
+
+    name = "proportional"
+
+    def __init__(self, speeds: Speeds | None = None, threshold: float = DEFAULT_THRESHOLD,
+                 at_least: int = 1, current: Mapping[int, Sequence[int]] | None = None) -> None:
+        self.speeds = speeds
+        self.current = current
+        """The plan the workers hold, for `plan`'s hysteresis when no `current=` is passed."""
+        self.threshold = threshold
+        """Hysteresis: replan only for a predicted step this much shorter (should_replan)."""
+        self.at_least = at_least
+        """Microbatches every member keeps when M allows (proportional_quotas says why)."""
+
+    def with_measurements(self, speeds: Speeds | None,
+                          current: Mapping[int, Sequence[int]] | None = None) -> ProportionalPolicy:
+        """A copy bound to these speeds and this plan (the hysteresis' `current`)."""
+        return ProportionalPolicy(speeds, self.threshold, self.at_least, current)
+
+    def _seconds(self, members: Sequence[int],
+                 speeds: Speeds | None) -> tuple[Speeds, dict[int, float]] | None:
+        """The snapshot in force and every member's seconds per microbatch, or None (uniform)."""
+        speeds = self.speeds if speeds is None else speeds
+        seconds = None if speeds is None else speeds.seconds_for(members)
+        return None if speeds is None or seconds is None else (speeds, seconds)
+
+    def plan(self, members: Sequence[int], global_microbatches: int, *, speeds: Speeds | None = None,
+             current: Mapping[int, Sequence[int]] | None = None) -> PlanDecision:
+        """Quotas minimising the step's predicted makespan, as contiguous runs in member order
+        (equal speeds: exactly `uniform_plan`). With `current` (the plan of the step just
+        committed; default: the one bound by `with_measurements`), its quotas are kept
+        unless the new ones predict a step more than `threshold` shorter or the members
+        changed, so noise does not make plans flap."""
+        uniform = uniform_plan(members, global_microbatches)  # also validates the inputs
+        known = self._seconds(members, speeds)
+        if known is None:
+            return uniform
+        measured, seconds = known
+        try:
+            candidate = proportional_quotas(seconds, global_microbatches, members, self.at_least)
+        except QuotaError as exc:
+            raise PolicyError(str(exc)) from None
+        head = (f"proportional: {global_microbatches} microbatches over {len(members)} replicas "
+                "by measured speed")
+        current = self.current if current is None else current
+        if current is not None:
+            replan, why = should_replan(quotas_of(current), candidate, seconds, self.threshold)
+            if not replan:
+                kept = quotas_of(current)
+                return PlanDecision(contiguous_assignment(kept, members),
+                                    f"{head}; {why}; {describe_quotas(kept, seconds, measured)}")
+        predicted = makespan(candidate, seconds)
+        even = makespan(quotas_of(uniform.assignment), seconds)
+        return PlanDecision(contiguous_assignment(candidate, members),
+                            f"{head}, predicted step {predicted:.3g}s (uniform {even:.3g}s); "
+                            f"{describe_quotas(candidate, seconds, measured)}")
+
+    def reassign(self, current: Mapping[int, Sequence[int]], lost: Sequence[int],
+                 survivors: Sequence[int], spares: Sequence[int] = (), *,
+                 speeds: Speeds | None = None, elapsed_s: float | None = None) -> PlanDecision:
+        """Survivors keep every microbatch they hold (they may have accumulated it: a plan
+        that takes one away would count it twice or lose it); each lost one goes, in id
+        order, to whoever would finish it earliest given measured speeds and loads.
+
+        A survivor can take new work once its own is done (held * seconds per microbatch
+        into the step). A spare starts from nothing but can begin only when it has
+        entered: at `elapsed_s` into the step when the caller knows it (then a survivor
+        already done also starts then), else assumed when the busiest survivor finishes
+        its own share, the case of a loss found at the allreduce. That assumption is
+        what the rejoin benchmark supports (BENCHMARKS.md section 8: handing a spare
+        the whole lost share made the step 1.82x, spreading it 1.34x), and with equal
+        speeds and loads it gives `reassign_lost`'s answer id for id: spread evenly,
+        spares first. So spares get more only where that finishes the step earlier.
+        """
+        members = [*survivors, *spares]
+        known = self._seconds(members, speeds)
+        if known is None:
+            return reassign_lost(current, lost, survivors, spares)
+        if not members:
+            raise PolicyError(f"replicas {sorted(lost)} lost and no survivor left")
+        unknown = [r for r in survivors if r not in current]
+        if unknown:
+            raise PolicyError(f"survivors {unknown} have no assignment in the current plan")
+        measured, seconds = known
+        held = {r: len(current[r]) for r in survivors}
+        if elapsed_s is None:
+            entry = max((held[r] * seconds[r] for r in survivors), default=0.0)
+            start, ready = held, dict.fromkeys(spares, entry)
+        else:
+            busy = {r for r in survivors if held[r] * seconds[r] >= elapsed_s}
+            start = {r: held[r] for r in busy}
+            ready = {r: float(elapsed_s) for r in members if r not in busy}
+        orphaned = sorted(mb for r in lost for mb in current.get(r, ()))
+        gains = hand_out_ids(orphaned, seconds, [*spares, *survivors], start, ready)
+        assignment = {r: (*(current[r] if r in held else ()), *gains[r]) for r in members}
+        entered = f"; spares {list(spares)} take their place" if spares else ""
+        if not orphaned:
+            return PlanDecision(assignment, f"replicas {sorted(lost)} lost with no microbatches; "
+                                            f"plan unchanged{entered}")
+        finish = max(ready.get(r, 0.0) + (start.get(r, 0) + len(gains[r])) * seconds[r]
+                     for r in members)
+        moves = ", ".join(f"{len(gains[r])} to replica {r}" for r in members if gains[r])
+        return PlanDecision(assignment, (
+            f"replicas {sorted(lost)} lost{entered}; their {len(orphaned)} microbatches "
+            f"reassigned to finish earliest by measured speed: {moves}; predicted step "
+            f"{finish:.3g}s; {describe_quotas(quotas_of(assignment), seconds, measured)}"))
+
+
+POLICIES: dict[str, type[PlanPolicy]] = {
+    p.name: p for p in (RecoverPolicy, DropPolicy, ProportionalPolicy)}
+"""Every policy a job may name; the default (a job's empty `policy`) stays RecoverPolicy."""
 
 
 def policy_for(name: str) -> PlanPolicy:
