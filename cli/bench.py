@@ -103,6 +103,8 @@ def run_ckpt_restart(args: argparse.Namespace) -> int:
     if len(crashes) != len(faults):
         raise UsageError("--mode ckpt-restart: --kill supports the crash phases forward, backward, "
                          "reduce and commit only (the process is SIGKILLed during that step)")
+    if job.testing.slowdowns:
+        raise UsageError("--mode ckpt-restart does not emulate --slowdown")
     schedule = _schedule(args.schedule, job.replicas)
     policy = _policy(args, schedule.system_mtbf_s() if schedule else None)
     out = _out(args.out)
@@ -122,6 +124,9 @@ def _throughput(args: argparse.Namespace) -> int:
 
     if args.kill:
         raise UsageError("recover bench throughput: failures come from --schedule, not --kill")
+    if args.slowdown:
+        raise UsageError("recover bench throughput: the ckpt-restart baseline does not emulate "
+                         "--slowdown")
     job = reference_job(args, "recover bench throughput")
     if job.reduce != "fast" or job.policy not in ("", "recover"):
         raise UsageError("recover bench throughput: the baseline supports --reduce fast only")

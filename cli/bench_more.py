@@ -93,6 +93,8 @@ def _overhead(args: argparse.Namespace) -> int:
 
     if args.kill:
         raise UsageError("recover bench overhead: failure-free only, no --kill")
+    if args.slowdown:
+        raise UsageError("recover bench overhead: the DDP baseline does not emulate --slowdown")
     if args.warmup < 1:
         raise UsageError(f"--warmup must be at least 1, got {args.warmup}")
     if args.steps < args.warmup + 3:

@@ -32,6 +32,12 @@ from recover.trainer.faults import (
     format_fault_spec,
     parse_fault_spec,
 )
+from recover.trainer.slowdown import (
+    SlowdownSpecError,
+    format_slowdown_spec,
+    overlap,
+    parse_slowdown_spec,
+)
 
 MAX_SEED = 2 ** 63 - 1
 MAX_STEPS = 10 ** 12
@@ -174,6 +180,24 @@ def _check_kills(texts: list[str], args: argparse.Namespace) -> str | None:
     return None
 
 
+def _check_slowdowns(texts: list[str], args: argparse.Namespace) -> str | None:
+    specs = []
+    for text in texts:
+        try:
+            spec = parse_slowdown_spec(text)
+        except SlowdownSpecError as exc:
+            return str(exc)
+        if spec.from_step >= args.steps:
+            return (f"--slowdown {text!r}: from_step {spec.from_step} is beyond the last step "
+                    f"({args.steps - 1})")
+        specs.append(spec)
+    if (found := overlap(specs)) is not None:
+        first, second = (texts[i] for i in found)
+        return (f"--slowdown {first!r} and {second!r} slow replica {specs[found[0]].replica} "
+                "in the same steps: give each step one factor")
+    return None
+
+
 def _check_workload_config(text: str | None, args: argparse.Namespace) -> str | None:
     if text is None:
         return None
@@ -294,6 +318,15 @@ SETTINGS: tuple[Setting, ...] = (
                  "forward/backward, so capacity belongs to each slot (default 0)",
             check=lambda v, a: None if 0 <= v < 3_600_000 else (
                 f"--compute-ms must be a number of milliseconds >= 0, got {v}")),
+    Setting("--slowdown", "testing.slowdowns", action="append", default=(), metavar="SPEC",
+            group="testing",
+            help="slow a replica: replica=R,factor=F[,from_step=S][,until_step=T]; in steps "
+                 "[S, T) (default: all) each of replica id R's microbatches takes F times its "
+                 "compute (real and --compute-ms), 1 <= F < 100; repeatable",
+            check=_check_slowdowns,
+            to_proto=lambda v, a: {"testing.slowdowns": [parse_slowdown_spec(t) for t in v]},
+            to_flags=lambda job: [f"--slowdown={format_slowdown_spec(s)}"
+                                  for s in job.testing.slowdowns]),
 )
 BY_DEST = {s.dest: s for s in SETTINGS}
 

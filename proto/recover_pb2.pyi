@@ -28,13 +28,27 @@ class WorkloadSpec(_message.Message):
     config_json: str
     def __init__(self, command: _Optional[_Iterable[str]] = ..., config_json: _Optional[str] = ...) -> None: ...
 
+class SlowdownSpec(_message.Message):
+    __slots__ = ("replica", "factor", "from_step", "until_step")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    FACTOR_FIELD_NUMBER: _ClassVar[int]
+    FROM_STEP_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_STEP_FIELD_NUMBER: _ClassVar[int]
+    replica: int
+    factor: float
+    from_step: int
+    until_step: int
+    def __init__(self, replica: _Optional[int] = ..., factor: _Optional[float] = ..., from_step: _Optional[int] = ..., until_step: _Optional[int] = ...) -> None: ...
+
 class TestingConfig(_message.Message):
-    __slots__ = ("faults", "compute_ms")
+    __slots__ = ("faults", "compute_ms", "slowdowns")
     FAULTS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    SLOWDOWNS_FIELD_NUMBER: _ClassVar[int]
     faults: _containers.RepeatedCompositeFieldContainer[FaultSpec]
     compute_ms: float
-    def __init__(self, faults: _Optional[_Iterable[_Union[FaultSpec, _Mapping]]] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+    slowdowns: _containers.RepeatedCompositeFieldContainer[SlowdownSpec]
+    def __init__(self, faults: _Optional[_Iterable[_Union[FaultSpec, _Mapping]]] = ..., compute_ms: _Optional[float] = ..., slowdowns: _Optional[_Iterable[_Union[SlowdownSpec, _Mapping]]] = ...) -> None: ...
 
 class JobConfig(_message.Message):
     __slots__ = ("job_id", "replicas", "steps", "global_microbatches", "seed", "reduce", "group_timeout_s", "policy", "hang_timeout_s", "hang_factor", "workload", "testing", "reduce_dtype", "check_determinism", "record_sample_ids", "min_replicas", "spares", "checkpoint", "resume")

@@ -8,7 +8,8 @@ say where it happened; recovery never depends on that note.
 
 The executor never calls this module: `hooks_for` turns the job's testing
 config into the `StepHooks` it is handed (hooks.py), a no-op unless the job
-injects faults into this replica or emulates compute.
+injects faults into this replica, emulates compute or slows this replica
+(`--slowdown`, slowdown.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from recover.proto import pb
 from recover.trainer.hooks import MicrobatchPoints, StepHooks
+from recover.trainer.slowdown import SlowdownSchedule
 
 if TYPE_CHECKING:
     from recover.trainer.gradients import GradientBuckets
@@ -181,6 +183,8 @@ class MicrobatchFaults(MicrobatchPoints):
         self._at = (step, position, count)
         self._params = params
         self._hook: Any = None
+        self.slept_s = 0.0
+        """What a `phase=slow` fault slept in this microbatch (not compute: not slowed)."""
 
     def before_backward(self) -> None:
         injector, (step, position, count) = self._injector, self._at
@@ -189,6 +193,7 @@ class MicrobatchFaults(MicrobatchPoints):
                 injector.hang(step, phase)
         if delay := injector.slow_seconds(step):
             time.sleep(delay)
+            self.slept_s += delay
         if injector.armed(step, "forward", position, count):
             injector.fire(step, "forward")
         if injector.armed(step, "backward", position, count):
@@ -203,11 +208,22 @@ class MicrobatchFaults(MicrobatchPoints):
 
 class FaultHooks(StepHooks):
     """The step hooks of a job whose testing config asks for something: its faults that
-    target this replica, each fired at its phase's point, and emulated compute."""
+    target this replica, each fired at its phase's point, emulated compute, and this
+    replica's slowdowns. `clock` and `sleep` are seams for tests (default: real time)."""
 
-    def __init__(self, injector: FaultInjector, compute_ms: float = 0.0) -> None:
+    def __init__(self, injector: FaultInjector, compute_ms: float = 0.0,
+                 slowdown: SlowdownSchedule | None = None, *,
+                 clock: Callable[[], float] = time.perf_counter,
+                 sleep: Callable[[float], None] | None = None) -> None:
         self.faults = injector
         self.compute_s = max(compute_ms, 0.0) / 1000.0
+        self.slowdown = slowdown if slowdown is not None else SlowdownSchedule((), 0)
+        self._clock = clock
+        self._sleep = sleep if sleep is not None else time.sleep
+        # The microbatch in flight when its step is slowed: its factor, start, fault points.
+        self._factor = 1.0
+        self._started = 0.0
+        self._points: MicrobatchFaults | None = None
 
     def _fire_if_armed(self, step: int, phase: str) -> None:
         if self.faults.armed(step, phase):
@@ -224,7 +240,12 @@ class FaultHooks(StepHooks):
                           params: Sequence[Any]) -> MicrobatchPoints:
         if recomputed:
             self._fire_if_armed(step, "recompute")
-        return self.faults.microbatch_points(step, position, count, params)
+        points = self.faults.microbatch_points(step, position, count, params)
+        self._factor = self.slowdown.factor_at(step)
+        if self._factor > 1.0:
+            self._points = points
+            self._started = self._clock()
+        return points
 
     def after_microbatch(self, step: int, position: int, count: int,
                          grads: GradientBuckets) -> None:
@@ -233,7 +254,16 @@ class FaultHooks(StepHooks):
         if self.compute_s > 0:
             # Emulated accelerator time (--compute-ms): a sleep, not CPU work, so each
             # slot's capacity is its own instead of a share of the machine's cores.
-            time.sleep(self.compute_s)
+            self._sleep(self.compute_s)
+        if self._factor > 1.0:
+            # --slowdown: this microbatch's compute (real and emulated, not a slow fault's
+            # sleep) took `took`; take factor times that in all. The executor counts this
+            # sleep in the step's compute_s, as it would a slower accelerator's time.
+            slept = self._points.slept_s if self._points is not None else 0.0
+            took = max(self._clock() - self._started - slept, 0.0)
+            factor, self._factor, self._points = self._factor, 1.0, None
+            if took > 0:
+                self._sleep((factor - 1.0) * took)
 
     def before_reduce(self, step: int) -> None:
         if self.faults.armed(step, "reduce"):  # from a timer: it lands inside the allreduce
@@ -252,9 +282,10 @@ class FaultHooks(StepHooks):
 def hooks_for(testing: pb.TestingConfig, replica: int, note: Callable[[pb.FaultNote], None],
               stamp: Callable[[], None] | None = None) -> StepHooks:
     """The hooks a replica's executor gets: no-ops unless the job injects faults into this
-    replica or emulates compute. `note` tells the agent of a fault, `stamp` marks the
-    kill in the progress file."""
+    replica, emulates compute or slows this replica. `note` tells the agent of a fault,
+    `stamp` marks the kill in the progress file."""
     injector = FaultInjector(testing.faults, replica, note, stamp)
-    if not injector.has_faults and testing.compute_ms <= 0:
+    slowdown = SlowdownSchedule(testing.slowdowns, replica)
+    if not injector.has_faults and testing.compute_ms <= 0 and not slowdown:
         return StepHooks()
-    return FaultHooks(injector, testing.compute_ms)
+    return FaultHooks(injector, testing.compute_ms, slowdown)

@@ -1,11 +1,12 @@
 """Named points of a step where test concerns act, kept out of the executor's code.
 
-Fault injection (`--kill`) and emulated accelerator time (`--compute-ms`) are what the
-tests and benchmarks need from inside a step; production needs neither. So the executor
-calls these methods at fixed points and knows nothing of what they do: `StepHooks` (the
-default) does nothing, `faults.FaultHooks` fires the job's faults and sleeps the
-emulated compute, and a unit test may hand in its own. Each method is named for *where*
-in the step it is called, so one phase of the fault injector maps to one point.
+Fault injection (`--kill`), emulated accelerator time (`--compute-ms`) and slowed replicas
+(`--slowdown`) are what the tests and benchmarks need from inside a step; production needs
+none of them. So the executor calls these methods at fixed points and knows nothing of what
+they do: `StepHooks` (the default) does nothing, `faults.FaultHooks` fires the job's faults
+and sleeps the emulated compute and the slowdown, and a unit test may hand in its own.
+Each method is named for *where* in the step it is called, so one phase of the fault
+injector maps to one point.
 
 Torch-free on purpose: the command-line tools import the fault specs (faults.py), which
 build on this.

@@ -33,6 +33,7 @@ from recover.trainer.faults import FaultHooks, FaultInjector
 from recover.trainer.gradients import GradientBuckets
 from recover.trainer.groups.fake import FakeRendezvous, MemberKilled
 from recover.trainer.reduction import make_accumulator
+from recover.trainer.slowdown import SlowdownSchedule
 from recover.trainer.sources import FunctionMicrobatches
 from recover.trainer.workload import Workload
 
@@ -116,6 +117,8 @@ class FakeController:
     step: int = 0
     plan: dict[int, list[int]] = field(default_factory=dict)
     reduced: dict[int, pb.Reduced] = field(default_factory=dict)
+    compute_s: dict[tuple[int, int], float] = field(default_factory=dict)
+    """(step, replica) -> the compute time its reduction reported."""
     commits: list[tuple[int, int]] = field(default_factory=list)
     """(step, generation) of every commit."""
     digests: dict[int, dict[int, str]] = field(default_factory=lambda: defaultdict(dict))
@@ -156,6 +159,7 @@ class FakeController:
             r = report.reduced
             if r.generation == self.generation and r.step == self.step:
                 self.reduced[report.replica] = r
+                self.compute_s[(r.step, report.replica)] = r.compute_s
                 self.maybe_commit()
         elif kind == "applied":
             self.digests[report.applied.step][report.replica] = report.applied.param_sha256
@@ -214,7 +218,8 @@ class Run:
 
 
 def replica_executor(replica: int, reduce: str, channel: FakeChannel, rendezvous: FakeRendezvous,
-                     faults: list[pb.FaultSpec]) -> StepExecutor:
+                     faults: list[pb.FaultSpec], slowdowns: list[pb.SlowdownSpec],
+                     sleep: Any) -> StepExecutor:
     torch.manual_seed(SEED)  # every replica builds the same model (on the test's thread)
     model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -224,13 +229,15 @@ def replica_executor(replica: int, reduce: str, channel: FakeChannel, rendezvous
     grads = GradientBuckets(workload.params)
     job = pb.JobConfig(job_id="fake", replicas=REPLICAS, steps=STEPS, global_microbatches=M,
                        seed=SEED, reduce=reduce, group_timeout_s=SAFETY_S)
-    hooks = FaultHooks(FaultInjector(faults, replica, channel.note_fault, kill=die))
+    hooks = FaultHooks(FaultInjector(faults, replica, channel.note_fault, kill=die),
+                       slowdown=SlowdownSchedule(slowdowns, replica), sleep=sleep)
     return StepExecutor(job, replica, channel, workload, grads,
                         make_accumulator(reduce, grads, M), hooks=hooks, groups=rendezvous)
 
 
 def train(reduce: str = "exact", faults: tuple[pb.FaultSpec, ...] = (), hold: set[int] | None = None,
-          crash_in_allreduce: tuple[int, int] | None = None) -> Run:
+          crash_in_allreduce: tuple[int, int] | None = None,
+          slowdowns: tuple[pb.SlowdownSpec, ...] = (), sleep: Any = None) -> Run:
     """Train STEPS steps with REPLICAS replica threads; returns when every thread ended."""
     controller = FakeController(list(range(REPLICAS)), hold=set(hold or ()))
     rendezvous = FakeRendezvous(timeout_s=SAFETY_S)
@@ -240,7 +247,7 @@ def train(reduce: str = "exact", faults: tuple[pb.FaultSpec, ...] = (), hold: se
     for replica in controller.replicas:
         controller.channels[replica] = FakeChannel(replica, controller.events)
         executors[replica] = replica_executor(replica, reduce, controller.channels[replica],
-                                              rendezvous, list(faults))
+                                              rendezvous, list(faults), list(slowdowns), sleep)
 
     def life(executor: StepExecutor) -> None:
         try:
@@ -329,3 +336,22 @@ def test_fast_mode_recovers_within_rounding(baseline: Run) -> None:
     assert torch.equal(survivors[0], survivors[1])  # one reduced sum, applied by both
     reference = torch.cat([p.flatten() for p in clean.params(0)])
     torch.testing.assert_close(survivors[0], reference, rtol=1e-4, atol=1e-6)
+
+
+def test_a_slowed_replica_reports_its_sleep_as_compute_and_learns_the_same(baseline: Run) -> None:
+    # Replica 1 is 3x slower in steps 1 and 2 (--slowdown): each of its microbatches there
+    # sleeps twice its compute, and that sleep is part of the compute_s it reports (what
+    # the controller measures replica speed from). Nothing computed changes.
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        time.sleep(seconds)
+
+    slow = pb.SlowdownSpec(replica=1, factor=3.0, from_step=1, until_step=3)
+    run = train(slowdowns=(slow,), sleep=sleep)
+    assert_survivors_match(run, baseline, lost=[])
+    per_step = M // REPLICAS
+    assert len(slept) == 2 * per_step  # only replica 1, only steps 1 and 2
+    for i, step in enumerate((1, 2)):
+        assert run.controller.compute_s[(step, 1)] >= sum(slept[i * per_step:(i + 1) * per_step])
