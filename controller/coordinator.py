@@ -40,6 +40,7 @@ from recover.controller.joins import Join
 from recover.controller.records import PersistedJob, Records
 from recover.controller.recoveries import RecoveryTracker, observed_phase
 from recover.controller.store import Store
+from recover.controller.throughput import Speeds, ThroughputEstimator
 from recover.controller.transitions import fail, maybe_finish
 from recover.controller.view import Agent, Draft, Facts, JobView, Replica, TakeoverWait
 from recover.proto import pb
@@ -101,6 +102,10 @@ class Coordinator:
         self._ending: asyncio.Future[None] | None = None
         """The end being announced (held so the shielded task is not collected)."""
         self.joins = JoinReports(self)
+        self.throughput = ThroughputEstimator()
+        """Each replica's seconds per microbatch, from its reports (quota policies use it)."""
+        self._speeds: Speeds | None = None
+        """The last snapshot of `throughput` (it changes only when a step commits)."""
 
     # ------------------------------------------------------------ the view, read-only
 
@@ -146,8 +151,13 @@ class Coordinator:
     # ------------------------------------------------------------ running transitions
 
     def _draft(self) -> Draft:
+        if self._speeds is None:
+            self._speeds = self.throughput.snapshot()
+        # A quota policy plans from measured speeds and, for its hysteresis, the plan the
+        # workers hold; a policy that plans by counts alone ignores both.
+        plans = self.policy.with_measurements(self._speeds, self.view.plan)
         return Draft(self.view, Facts(
-            now=self._clock(), policy=self.policy, token=_token, rendezvous=self._rendezvous,
+            now=self._clock(), policy=plans, token=_token, rendezvous=self._rendezvous,
             ledger_len=len(self.steps), last_record=self.steps[-1] if self.steps else None))
 
     async def _run(self, transition: Transition[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
@@ -187,6 +197,8 @@ class Coordinator:
                 self.recovery.failed(effect.replica, effect.cause, effect.exited,
                                      step=effect.step, generation=effect.generation,
                                      phase=phase, during_training=effect.during_training)
+                self.throughput.forget(effect.replica)  # ids are never reused
+                self._speeds = None
             case effects.Stale():
                 self.stale_reports += 1
             case effects.Transferred(nbytes, seconds):
@@ -353,7 +365,18 @@ class Coordinator:
             return
         self._progress.reduced[replica] = msg
         if set(self._progress.reduced) >= set(v.members):
-            await self._run(commits.commit, [self._progress.reduced[m] for m in v.members])
+            reported = [self._progress.reduced[m] for m in v.members]
+            self._measure(reported)
+            await self._run(commits.commit, reported)
+
+    def _measure(self, reported: list[pb.Reduced]) -> None:
+        """Each member's speed in the step about to commit (its microbatches and compute time
+        add up over the generations of the step, so a recovery keeps the ratio true). An
+        exact-mode redo restarts the step's microbatches but not the time: left out."""
+        for member, report in zip(self.view.members, reported, strict=True):
+            if not report.overflow and not report.scale_epoch:
+                self.throughput.observe(member, len(report.microbatch_ids), report.compute_s)
+        self._speeds = None
 
     async def applied(self, replica: int, msg: pb.Applied) -> None:
         if not 0 <= msg.step < len(self.steps):

@@ -187,6 +187,21 @@ async def _until(work: Coroutine[object, object, T], stop: asyncio.Event) -> T |
     return task.result()
 
 
+def _resume_point(job: pb.JobConfig) -> pb.CheckpointMeta | None:
+    """The checkpoint a resumed job starts from (its header authenticated again: the file may
+    have changed since the launcher chose it); OSError, one line, when it cannot be."""
+    if not job.resume.path:
+        return None
+    try:
+        meta = ckptfile.read_meta(Path(job.resume.path), verify=False)[0]
+    except ckptfile.CheckpointError as exc:
+        raise OSError(f"cannot resume from {job.resume.path}: {exc}") from None
+    if meta.step != job.resume.step:
+        raise OSError(f"cannot resume from {job.resume.path}: it holds step {meta.step}, "
+                      f"the job resumes at step {job.resume.step}")
+    return meta
+
+
 async def _lead(config: ControllerConfig, job: pb.JobConfig, election: LeaderElection,
                 sessions: AgentSessions, rendezvous: RendezvousHost,
                 registry: CollectorRegistry) -> Coordinator:
@@ -197,8 +212,7 @@ async def _lead(config: ControllerConfig, job: pb.JobConfig, election: LeaderEle
     coordinator.start_timeout_s = config.start_timeout_s
     coordinator.start_grace_s = config.start_grace_s
     persisted = await Records(store, job.job_id).load()
-    resumed_from = (ckptfile.read_meta(Path(job.resume.path), verify=False)[0]
-                    if job.resume.path else None)
+    resumed_from = _resume_point(job)
     if not persisted.empty:
         coordinator.restore(persisted, resumed_from)
     elif resumed_from is not None:

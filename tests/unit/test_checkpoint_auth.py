@@ -209,3 +209,19 @@ def test_planted_newer_files_do_not_make_pruning_delete_the_real_ones(tmp_path: 
     removed = ckptfile.prune(tmp_path, keep=2)
     assert [p.name for p in removed] == [ckptfile.file_name(10)]
     assert ckptfile.latest(tmp_path).meta.step == 30
+
+
+def test_the_controller_authenticates_the_resume_point_and_says_so_in_one_line(
+        tmp_path: Path) -> None:
+    from recover.controller.server import _resume_point
+    good = write(tmp_path, 20)
+    assert _resume_point(job(resume=pb.ResumePoint(path=str(good), step=20))).step == 20
+    assert _resume_point(job()) is None
+    with pytest.raises(OSError, match=r"holds step 20, the job resumes at step 10$"):
+        _resume_point(job(resume=pb.ResumePoint(path=str(good), step=10)))
+    forged = forge(good, tmp_path / ckptfile.file_name(30),
+                   lambda meta: payload_job(meta, tmp_path / "pwned", tmp_path / "theirs"))
+    with pytest.raises(OSError) as refused:
+        _resume_point(job(resume=pb.ResumePoint(path=str(forged), step=30)))
+    assert str(refused.value).startswith(f"cannot resume from {forged}: ")
+    assert "\n" not in str(refused.value)
