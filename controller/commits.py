@@ -40,7 +40,8 @@ def commit(d: Draft, reported: list[pb.Reduced]) -> None:
     if verdict.outliers:  # the step is reduced again without them, in the next generation
         members_lost(d, list(verdict.outliers), verdict.reason, cause="refused")
         return
-    record = step_record(job, v.step, v.generation, reported, d.now, loss=verdict.loss)
+    record = step_record(job, v.step, v.generation, members, reported, d.now,
+                         loss=verdict.loss)
     next_step = v.step + 1
     final = next_step >= job.steps
     stop = bool(v.stopping) and not final

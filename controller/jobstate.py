@@ -52,10 +52,10 @@ def plan_message(step: int, generation: int, scale_epoch: int,
                                 for r, ids in decision.assignment.items()])
 
 
-def step_record(job: pb.JobConfig, step: int, generation: int, reports: list[pb.Reduced],
-                committed_at: float, loss: float) -> pb.StepRecord:
-    """The ledger entry of a step about to commit, from its members' reduction reports
-    (`loss`: the one they agree on, reports.agree_on_loss)."""
+def step_record(job: pb.JobConfig, step: int, generation: int, members: list[int],
+                reports: list[pb.Reduced], committed_at: float, loss: float) -> pb.StepRecord:
+    """The ledger entry of a step about to commit, from its members' reduction reports (in
+    the order of `members`; `loss`: the one they agree on, reports.agree_on_loss)."""
     sample_ids = sorted(s for r in reports for s in r.sample_ids)
     return pb.StepRecord(
         step=step, generation=generation,
@@ -64,7 +64,9 @@ def step_record(job: pb.JobConfig, step: int, generation: int, reports: list[pb.
         loss=loss, committed_at=committed_at,
         tokens=sum(r.tokens for r in reports),
         compute_s=max(r.compute_s for r in reports), reduce_s=min(r.reduce_s for r in reports),
-        sample_ids=sample_ids if job.record_sample_ids else [], replicas=len(reports))
+        sample_ids=sample_ids if job.record_sample_ids else [], replicas=len(reports),
+        loads=[pb.ReplicaLoad(replica=m, microbatches=len(r.microbatch_ids))
+               for m, r in zip(members, reports, strict=True)])
 
 
 @dataclass

@@ -104,6 +104,10 @@ def build_summary(report: pb.RunReport, wall_s: float) -> dict[str, Any]:
         # Per step: the slowest replica's compute, and the commit round trip (reduced
         # reported -> commit received); bench recovery splits recoveries with them.
         "compute_s_per_step": [round(record.compute_s, 5) for record in steps],
+        # Per step: how many microbatches each member summed (its quota, plus what it
+        # took over in a recovery).
+        "microbatches_by_replica_per_step": [
+            {str(load.replica): load.microbatches for load in record.loads} for record in steps],
         "commit_wait_s_per_step": [round(record.commit_wait_s, 5) for record in steps],
         "param_sha256_per_step": [agreed_digest(record) for record in steps],
         "param_sha256_by_replica_per_step": per_replica,

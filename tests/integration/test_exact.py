@@ -74,6 +74,23 @@ def test_exact_with_other_replica_counts(replicas: int, tmp_path: Path,
     assert_bitwise_identical(exact_run(tmp_path, replicas), exact_reference)
 
 
+def test_proportional_quotas_around_a_slow_replica_keep_the_trajectory(
+        tmp_path: Path, exact_reference: dict[str, Any]) -> None:
+    """Quotas that follow measured speed change who computes, never what is computed: a
+    replica 4x slower gets a smaller share once measured, a kill on top is recovered, and
+    the trajectory is the uniform failure-free one, bit for bit. Real processes: the
+    speeds are measured from the workers' own reports of their compute time."""
+    summary = exact_run(tmp_path, 4, "step=3,replica=1,phase=forward",
+                        extra=("--policy", "proportional", "--compute-ms", "30",
+                               "--slowdown", "replica=2,factor=4"))
+    assert summary["policy"] == "proportional" and len(summary["failures"]) == 1
+    loads = summary["microbatches_by_replica_per_step"]
+    assert loads[0] == {"0": 3, "1": 3, "2": 3, "3": 3}  # nobody measured yet: uniform
+    assert all(sum(step.values()) == 12 for step in loads)
+    assert loads[-1]["2"] < 3 and loads[-1]["2"] == min(loads[-1].values())
+    assert_bitwise_identical(summary, exact_reference)
+
+
 def test_drop_policy_drifts(tmp_path: Path, exact_reference: dict[str, Any]) -> None:
     """The ablation: dropping a lost replica's microbatches changes what the model learns."""
     summary = exact_run(tmp_path, 4, "step=2,replica=1,phase=backward", extra=("--policy", "drop"))
