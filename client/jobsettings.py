@@ -265,8 +265,10 @@ SETTINGS: tuple[Setting, ...] = (
                  "digest"),
     Setting("--policy", "policy", choices=tuple(POLICIES), default=RecoverPolicy.name,
             absent_is_default=True,
-            help="what happens to a lost replica's microbatches: recover = survivors compute "
-                 "them (default); drop = the step goes on without them (ablation)"),
+            help="who computes which microbatches: recover = uniform quotas, a lost "
+                 "replica's microbatches recomputed by the survivors (default); proportional "
+                 "= quotas by measured speed; drop = the step goes on without a lost "
+                 "replica's microbatches (ablation)"),
     Setting("--hang-timeout", "hang_timeout_s", type=float, default=2.0,
             help="watchdog: seconds without a liveness beat, and the least time one microbatch "
                  "may take, before a worker is killed as hung (default 2)",
