@@ -273,12 +273,13 @@ class Agent:
         """Kill workers that stopped making progress; their exit is then a plain crash."""
         timeout_s = job.hang_timeout_s or 2.0
         factor = job.hang_factor or 10.0
+        first_grace_s = job.first_microbatch_grace_s or progress.FIRST_MICROBATCH_GRACE_S
         while True:
             await asyncio.sleep(progress.BEAT_PERIOD_S)
             for worker in list(self.workers.values()):
                 if worker.process.returncode is not None or worker.killed_by_agent:
                     continue
-                verdict = await self._hang_verdict(worker, timeout_s, factor)
+                verdict = await self._hang_verdict(worker, timeout_s, factor, first_grace_s)
                 if verdict is not None and verdict.hung:
                     worker.killed_by_agent = f"watchdog: {verdict.reason}"
                     log.warning("killing hung worker: %s", verdict.reason,
@@ -286,8 +287,8 @@ class Agent:
                     worker.kill()
 
     @staticmethod
-    async def _hang_verdict(worker: WorkerProcess, timeout_s: float,
-                            factor: float) -> progress.HangVerdict | None:
+    async def _hang_verdict(worker: WorkerProcess, timeout_s: float, factor: float,
+                            first_grace_s: float) -> progress.HangVerdict | None:
         """The watchdog's verdict on one worker, a hung one confirmed on a second read:
         a kill cannot be undone, a misread file can."""
         for attempt in range(2):
@@ -296,7 +297,8 @@ class Agent:
             snapshot = progress.read(worker.progress_path) if worker.progress_path else None
             if snapshot is None or worker.process.returncode is not None:
                 return None
-            verdict = progress.judge(snapshot, time.monotonic(), timeout_s, factor)
+            verdict = progress.judge(snapshot, time.monotonic(), timeout_s, factor,
+                                     first_grace_s)
             if not verdict.hung:
                 return verdict
         return verdict

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from recover.common.progress import FIRST_MICROBATCH_GRACE_S
 from recover.controller.policy import POLICIES, RecoverPolicy
 from recover.proto import pb
 from recover.trainer.faults import (
@@ -277,6 +278,11 @@ SETTINGS: tuple[Setting, ...] = (
             help="watchdog: a microbatch may take this many times the worker's typical "
                  "microbatch time (default 10)",
             check=_positive("--hang-factor")),
+    Setting("--first-microbatch-grace", "first_microbatch_grace_s", type=float,
+            default=FIRST_MICROBATCH_GRACE_S, absent_is_default=True,
+            help="watchdog: seconds a worker's first microbatch may take (warm-up, "
+                 f"torch.compile, a lazy data load; default {FIRST_MICROBATCH_GRACE_S:g})",
+            check=_positive("--first-microbatch-grace")),
     Setting("--group-timeout", "group_timeout_s", type=float, default=30.0,
             help="safety-net timeout of a generation's collectives, seconds",
             check=_positive("--group-timeout", "number of seconds")),

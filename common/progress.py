@@ -68,8 +68,10 @@ class HangVerdict:
     reason: str
 
 
-def judge(snapshot: ProgressSnapshot, now: float, timeout_s: float, factor: float) -> HangVerdict:
-    """Is the worker hung? A pure decision with its reason (see the module docstring)."""
+def judge(snapshot: ProgressSnapshot, now: float, timeout_s: float, factor: float,
+          first_grace_s: float = FIRST_MICROBATCH_GRACE_S) -> HangVerdict:
+    """Is the worker hung? A pure decision with its reason (see the module docstring).
+    `first_grace_s`: the bound on its first microbatch (the job's --first-microbatch-grace)."""
     if snapshot.beat_at <= 0:
         return HangVerdict(False, "not started yet")
     silent = now - snapshot.beat_at
@@ -79,7 +81,7 @@ def judge(snapshot: ProgressSnapshot, now: float, timeout_s: float, factor: floa
     if snapshot.computing:
         running = now - snapshot.compute_started_at
         if snapshot.microbatches == 0:
-            bound = max(timeout_s, FIRST_MICROBATCH_GRACE_S)
+            bound = max(timeout_s, first_grace_s)
             if running > bound:
                 return HangVerdict(True, f"its first microbatch has run for {running:.1f}s "
                                          f"(bound {bound:.0f}s)")

@@ -51,7 +51,7 @@ class TestingConfig(_message.Message):
     def __init__(self, faults: _Optional[_Iterable[_Union[FaultSpec, _Mapping]]] = ..., compute_ms: _Optional[float] = ..., slowdowns: _Optional[_Iterable[_Union[SlowdownSpec, _Mapping]]] = ...) -> None: ...
 
 class JobConfig(_message.Message):
-    __slots__ = ("job_id", "replicas", "steps", "global_microbatches", "seed", "reduce", "group_timeout_s", "policy", "hang_timeout_s", "hang_factor", "workload", "testing", "reduce_dtype", "check_determinism", "record_sample_ids", "min_replicas", "spares", "checkpoint", "resume")
+    __slots__ = ("job_id", "replicas", "steps", "global_microbatches", "seed", "reduce", "group_timeout_s", "policy", "hang_timeout_s", "hang_factor", "first_microbatch_grace_s", "workload", "testing", "reduce_dtype", "check_determinism", "record_sample_ids", "min_replicas", "spares", "checkpoint", "resume")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class JobConfig(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     HANG_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     HANG_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    FIRST_MICROBATCH_GRACE_S_FIELD_NUMBER: _ClassVar[int]
     WORKLOAD_FIELD_NUMBER: _ClassVar[int]
     TESTING_FIELD_NUMBER: _ClassVar[int]
     REDUCE_DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +82,7 @@ class JobConfig(_message.Message):
     policy: str
     hang_timeout_s: float
     hang_factor: float
+    first_microbatch_grace_s: float
     workload: WorkloadSpec
     testing: TestingConfig
     reduce_dtype: str
@@ -90,7 +92,7 @@ class JobConfig(_message.Message):
     spares: int
     checkpoint: CheckpointConfig
     resume: ResumePoint
-    def __init__(self, job_id: _Optional[str] = ..., replicas: _Optional[int] = ..., steps: _Optional[int] = ..., global_microbatches: _Optional[int] = ..., seed: _Optional[int] = ..., reduce: _Optional[str] = ..., group_timeout_s: _Optional[float] = ..., policy: _Optional[str] = ..., hang_timeout_s: _Optional[float] = ..., hang_factor: _Optional[float] = ..., workload: _Optional[_Union[WorkloadSpec, _Mapping]] = ..., testing: _Optional[_Union[TestingConfig, _Mapping]] = ..., reduce_dtype: _Optional[str] = ..., check_determinism: _Optional[bool] = ..., record_sample_ids: _Optional[bool] = ..., min_replicas: _Optional[int] = ..., spares: _Optional[int] = ..., checkpoint: _Optional[_Union[CheckpointConfig, _Mapping]] = ..., resume: _Optional[_Union[ResumePoint, _Mapping]] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., replicas: _Optional[int] = ..., steps: _Optional[int] = ..., global_microbatches: _Optional[int] = ..., seed: _Optional[int] = ..., reduce: _Optional[str] = ..., group_timeout_s: _Optional[float] = ..., policy: _Optional[str] = ..., hang_timeout_s: _Optional[float] = ..., hang_factor: _Optional[float] = ..., first_microbatch_grace_s: _Optional[float] = ..., workload: _Optional[_Union[WorkloadSpec, _Mapping]] = ..., testing: _Optional[_Union[TestingConfig, _Mapping]] = ..., reduce_dtype: _Optional[str] = ..., check_determinism: _Optional[bool] = ..., record_sample_ids: _Optional[bool] = ..., min_replicas: _Optional[int] = ..., spares: _Optional[int] = ..., checkpoint: _Optional[_Union[CheckpointConfig, _Mapping]] = ..., resume: _Optional[_Union[ResumePoint, _Mapping]] = ...) -> None: ...
 
 class CheckpointConfig(_message.Message):
     __slots__ = ("dir", "every_steps", "every_s", "keep")

@@ -178,3 +178,11 @@ def test_reader_never_sees_a_half_written_snapshot(tmp_path):
         writer.join(10)
     assert reads > 10_000, "the writer ended before the reader got going"
     assert torn == [], f"{len(torn)} of {reads} reads were half-written, e.g. {torn[0]}"
+
+
+def test_the_first_microbatch_grace_is_the_jobs_own():
+    """--first-microbatch-grace: a job whose first microbatch compiles for minutes says so."""
+    slow_start = snap(99.95, computing=True, started=-30.0, typical=0.0)  # 130 s so far
+    assert not judge(slow_start, 100.0, 2.0, 10.0, first_grace_s=300.0).hung
+    verdict = judge(slow_start, 100.0, 2.0, 10.0, first_grace_s=60.0)
+    assert verdict.hung and "(bound 60s)" in verdict.reason
