@@ -1,8 +1,10 @@
 """`recover verify RUN_A RUN_B`: compare two runs' ledgers step by step.
 
 For every committed step it compares the number of microbatches, the digest
-of the sample ids consumed and the parameter digest after the step, and says
-where the runs first part. Exit 0: identical; 1: they differ; 2: bad input.
+of the sample ids consumed and the step digest after the step (parameters, and
+the model's buffers when they are in the guarantee: `PARAMS+BUFFERS`, see
+trainer/digest.py), and says where the runs first part and which of the two
+differs. Exit 0: identical; 1: they differ; 2: bad input.
 """
 
 from __future__ import annotations
@@ -82,6 +84,20 @@ def _losses_agree(a: float | None, b: float | None, rtol: float) -> bool:
     return abs(a - b) <= rtol * max(abs(a), abs(b))
 
 
+def _state_difference(left: Any, right: Any) -> str:
+    """Which part of two step digests differs: the parameters, or (they agree) the buffers."""
+    if not (isinstance(left, str) and isinstance(right, str)):
+        return f"parameters {_short(left)} vs {_short(right)}"
+    lp, _, lb = left.partition("+")
+    rp, _, rb = right.partition("+")
+    if lp != rp:
+        return f"parameters {_short(lp)} vs {_short(rp)}"
+    if bool(lb) != bool(rb):
+        return ("buffers: one run's digests cover the model's buffers, the other's do not "
+                "(buffers='local' or an older build); parameters agree")
+    return f"buffers {_short(lb)} vs {_short(rb)} (parameters agree)"
+
+
 def compare(a: dict[str, Any], b: dict[str, Any], loss_rtol: float = 0.0) -> Verdict:
     """Compare two summaries' ledgers; the first difference wins."""
     checks = (
@@ -94,8 +110,9 @@ def compare(a: dict[str, Any], b: dict[str, Any], loss_rtol: float = 0.0) -> Ver
         for key, what in checks:
             left, right = a[key][step], b[key][step]
             if left != right:
-                return Verdict(False, f"differ: first at step {step}: {what} "
-                                      f"{_short(left)} vs {_short(right)}", step)
+                detail = (_state_difference(left, right) if what == "parameters"
+                          else f"{what} {_short(left)} vs {_short(right)}")
+                return Verdict(False, f"differ: first at step {step}: {detail}", step)
         la, lb = a["loss_per_step"][step], b["loss_per_step"][step]
         if not _losses_agree(la, lb, loss_rtol):
             return Verdict(False, f"differ: first at step {step}: loss {la!r} vs {lb!r}", step)
@@ -103,7 +120,13 @@ def compare(a: dict[str, Any], b: dict[str, Any], loss_rtol: float = 0.0) -> Ver
         return Verdict(False, f"differ: {a['steps_committed']} vs {b['steps_committed']} committed "
                               f"steps (the first {steps} agree)", None)
     return Verdict(True, f"identical: {steps} steps with the same microbatches, samples, loss and "
-                         "parameters after every step", None)
+                         f"{_state_word(a, steps)} after every step", None)
+
+
+def _state_word(summary: dict[str, Any], steps: int) -> str:
+    digests = summary["param_sha256_per_step"][:steps]
+    return ("parameters and buffers" if any(isinstance(d, str) and "+" in d for d in digests)
+            else "parameters")
 
 
 def main(run_a: str, run_b: str, loss_rtol: float) -> int:

@@ -41,10 +41,10 @@ from recover.common import logs
 from recover.common.lifetime import die_with_parent
 from recover.common.progress import ProgressBeacon
 from recover.proto import pb
+from recover.trainer.buffers import BUFFER_MODES, reduced_buckets
 from recover.trainer.channel import AgentChannel, ChannelClosed
 from recover.trainer.checkpoint import CheckpointWriter
 from recover.trainer.determinism import check_determinism as run_determinism_check
-from recover.trainer.digest import parameter_digest
 from recover.trainer.errors import WorkloadError, contract_error
 from recover.trainer.executor import StepExecutor
 from recover.trainer.faults import hooks_for
@@ -171,7 +171,8 @@ def train(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
           max_grad_norm: float | None = None,
           on_step_committed: Callable[[StepInfo], None] | None = None,
           extra_state: Mapping[str, Stateful] | None = None,
-          check_determinism: bool | None = None) -> TrainResult:
+          check_determinism: bool | None = None,
+          buffers: str = "reduce") -> TrainResult:
     """Train `model` under ReCoVer until the job ends; returns how it ended.
 
     microbatches: a function ``(step, microbatch) -> batch`` (deterministic), or a
@@ -188,6 +189,11 @@ def train(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
         restores carry along with the model, optimizer and scheduler.
     check_determinism: compute microbatch 0 twice before training and compare bitwise
         (default: the job's setting, on in exact mode).
+    buffers: the model's buffers (BatchNorm statistics, ...). "reduce" (default): every
+        microbatch's forward starts from the committed buffers and the step commits the mean
+        of their updates, reduced like gradients (exactly in exact mode), so buffers are in
+        the guarantee and the step digests. "local": each replica keeps its own (outside the
+        guarantee; a warning says so). A model without buffers is the same either way.
     """
     if job._channel is None or job._proto is None:
         raise TypeError("train() needs the Job returned by recover.trainer.init()")
@@ -199,11 +205,14 @@ def train(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     listener = Listener(os.environ.get("RECOVER_TRANSFER_HOST", "127.0.0.1"))
     try:
         workload = _workload(job, model, optimizer, microbatches, loss_fn, forward_backward,
-                             lr_scheduler, max_grad_norm, on_step_committed, extra_state)
+                             lr_scheduler, max_grad_norm, on_step_committed, extra_state, buffers)
+        if workload.buffer_warning and job.replica == 0:
+            log.warning("%s", workload.buffer_warning, extra={"replica": job.replica})
         try:
             grads = GradientBuckets(workload.params)
-            accumulator = make_accumulator(job.reduce, grads, job.global_microbatches,
-                                           proto.reduce_dtype or "grad")
+            accumulator = make_accumulator(job.reduce,
+                                           reduced_buckets(grads, workload.model_buffers),
+                                           job.global_microbatches, proto.reduce_dtype or "grad")
         except (GradientLayoutError, ValueError) as exc:
             raise contract_error(str(exc), where="train") from None
         progress_file = os.environ.get("RECOVER_PROGRESS_FILE")
@@ -231,7 +240,7 @@ def train(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                 proto.checkpoint, proto, job.replica,
                 lambda written: channel.send(pb.WorkerReport(checkpoint_written=written)),
                 first_step)
-        shutdown = executor.run(pb.Ready(param_sha256=parameter_digest(model), pid=os.getpid(),
+        shutdown = executor.run(pb.Ready(param_sha256=workload.digest(), pid=os.getpid(),
                                          workload=info, transfer_address=listener.address))
     except WorkloadError as exc:
         _report_and_exit(channel, exc)
@@ -267,7 +276,7 @@ def _report_and_exit(channel: AgentChannel, exc: WorkloadError) -> None:
 
 def _workload(job: Job, model: Any, optimizer: Any, microbatches: Any, loss_fn: Any,
               forward_backward: Any, lr_scheduler: Any, max_grad_norm: Any,
-              on_step_committed: Any, extra_state: Any) -> Workload:
+              on_step_committed: Any, extra_state: Any, buffers: Any = "reduce") -> Workload:
     """Check the arguments of train(); a mistake is a contract error naming it."""
 
     def bad(message: str) -> WorkloadError:
@@ -291,6 +300,8 @@ def _workload(job: Job, model: Any, optimizer: Any, microbatches: Any, loss_fn: 
                                             ("step", "state_dict", "load_state_dict")):
         raise bad(f"lr_scheduler must have step(), state_dict() and load_state_dict(), got "
                   f"{type(lr_scheduler).__name__}")
+    if buffers not in BUFFER_MODES:
+        raise bad(f"buffers must be one of {', '.join(map(repr, BUFFER_MODES))}, got {buffers!r}")
     extra = dict(extra_state or {})
     for name, obj in extra.items():
         if not isinstance(name, str) or not isinstance(obj, Stateful):
@@ -304,4 +315,4 @@ def _workload(job: Job, model: Any, optimizer: Any, microbatches: Any, loss_fn: 
     return Workload(model=model, optimizer=optimizer, source=source, seed=job.seed,
                     loss_fn=loss_fn, forward_backward=forward_backward, lr_scheduler=lr_scheduler,
                     max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
-                    on_step_committed=on_step_committed, extra_state=extra)
+                    on_step_committed=on_step_committed, extra_state=extra, buffers=buffers)

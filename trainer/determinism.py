@@ -40,10 +40,15 @@ class DeterminismCheck:
 
 def _gradients(workload: Workload, grads: GradientBuckets, step: int,
                microbatch: int) -> list[torch.Tensor]:
+    """The microbatch's gradient buckets, then (buffers reduced) its buffer-update buckets:
+    an update that differs between two computations would break the guarantee as surely."""
+    buffers = workload.model_buffers.buckets if workload.model_buffers is not None else []
     grads.zero()
+    for bucket in buffers:
+        bucket.flat.zero_()
     workload.compute(step, microbatch)
     grads.repair_views()
-    return [bucket.flat.clone() for bucket in grads.buckets]
+    return [bucket.flat.clone() for bucket in [*grads.buckets, *buffers]]
 
 
 def check_determinism(workload: Workload, grads: GradientBuckets, step: int = 0,
@@ -67,7 +72,9 @@ def check_determinism(workload: Workload, grads: GradientBuckets, step: int = 0,
     finally:
         restore()
         grads.zero()
-    for bucket, a, b in zip(grads.buckets, first, second, strict=True):
+        if workload.model_buffers is not None:
+            workload.model_buffers.zero()
+    for bucket, a, b in zip(grads.buckets, first, second, strict=False):
         if torch.equal(a, b):
             continue
         offset = 0
@@ -77,6 +84,13 @@ def check_determinism(workload: Workload, grads: GradientBuckets, step: int = 0,
                              .abs().nan_to_num(nan=float("inf")).max())
                 raise _failed(workload, p, diff, step, microbatch)
             offset += n
+    count = len(grads.buckets)
+    for a, b in zip(first[count:], second[count:], strict=True):
+        if not torch.equal(a, b):
+            raise contract_error(
+                f"determinism check failed: microbatch {microbatch} of step {step} updated the "
+                f"model's buffers differently when computed twice; likely causes: "
+                f"{LIKELY_CAUSES}", where="determinism check", step=step, microbatch=microbatch)
     return DeterminismCheck(step, microbatch, tensor_digest(
         (f"bucket{i}", g) for i, g in enumerate(first)))
 

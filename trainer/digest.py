@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -23,3 +23,12 @@ def tensor_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
 def parameter_digest(model: torch.nn.Module) -> str:
     """The digest of every parameter of `model` (tied parameters once)."""
     return tensor_digest(model.named_parameters())
+
+
+def model_digest(model: torch.nn.Module,
+                 buffers: Sequence[tuple[str, torch.Tensor]] = ()) -> str:
+    """The step digest: the parameter digest, then ``+`` and the digest of the buffers in the
+    guarantee when there are any. A model without them keeps exactly its parameter digest;
+    one with them gets two parts, so `recover verify` can say which of the two differs."""
+    params = parameter_digest(model)
+    return f"{params}+{tensor_digest(buffers)}" if buffers else params

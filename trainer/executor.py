@@ -20,7 +20,6 @@ import time
 from recover.proto import pb
 from recover.trainer.checkpoint import FINAL_WRITE_WAIT_S
 from recover.trainer.commits import CommitAction, judge_commit
-from recover.trainer.digest import parameter_digest
 from recover.trainer.errors import call_user
 from recover.trainer.groups import CollectiveAborted, GroupSpec
 from recover.trainer.joinsteps import JoinSteps
@@ -237,7 +236,7 @@ class StepExecutor(JoinSteps):
         record = pb.StepRecord()
         record.CopyFrom(step.record)
         if member:  # a joiner's record carries its donor's digest: the same bits
-            digest = parameter_digest(self.workload.model)
+            digest = self.workload.digest()
             record.param_sha256.append(pb.ReplicaDigest(replica=self.replica, param_sha256=digest))
             applied = pb.WorkerReport(applied=pb.Applied(
                 step=step.step, param_sha256=digest, commit_wait_s=commit_wait))
@@ -261,3 +260,4 @@ class StepExecutor(JoinSteps):
                 step=step.step, loss=step.loss, lr=lr, grad_norm=norm,
                 microbatches=step.microbatches, tokens=step.tokens, generation=step.generation,
                 replica=self.replica, is_first_replica=first), step=step.step)
+            self.workload.restore_buffers()  # whatever the callback's forwards wrote in them

@@ -24,7 +24,6 @@ from recover.trainer.channel import AgentChannel
 from recover.trainer.checkpoint import CheckpointWriter, committed_digest
 from recover.trainer.checkpoint import load as load_checkpoint
 from recover.trainer.destinations import OwnTensors
-from recover.trainer.digest import parameter_digest
 from recover.trainer.errors import contract_error
 from recover.trainer.gradients import GradientBuckets
 from recover.trainer.groups import CrossReplicaGroup, GroupFactory, build_group
@@ -158,9 +157,9 @@ class ExecutorBase(ABC):
                                  where="resume")
         self.load_training_state(state, meta.step, list(meta.ledger))
         committed = committed_digest(meta)
-        if committed is not None and parameter_digest(self.workload.model) != committed:
-            raise contract_error(f"cannot resume from {resume.path}: the parameters loaded are "
-                                 f"not the ones the ledger committed after step {meta.step - 1}",
+        if committed is not None and self.workload.digest() != committed:
+            raise contract_error(f"cannot resume from {resume.path}: the parameters (or buffers) "
+                                 f"loaded are not the ones the ledger committed after step {meta.step - 1}",
                                  where="resume")
         log.info("resumed from %s at step %d", resume.path, meta.step, extra=self._ctx())
 

@@ -15,6 +15,7 @@ assigns it) are caught after each microbatch and folded back into the bucket.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -38,6 +39,15 @@ class Bucket:
     @property
     def numel(self) -> int:
         return self.flat.numel()
+
+
+class BucketSet(Protocol):
+    """What an accumulator sums and reduces: flat buckets it can zero. `GradientBuckets`, or
+    for a model whose buffers are reduced too, those and the buffers' (buffers.StepBuckets)."""
+
+    buckets: list[Bucket]
+
+    def zero(self) -> None: ...
 
 
 class GradientBuckets:

@@ -1,10 +1,11 @@
 """Gradient accumulation and the buffers a step reduces: fast (float) or exact (fixed point).
 
 Both work on :class:`GradientBuckets` (one flat gradient buffer per device and
-dtype) and produce one buffer to allreduce per bucket; the step's statistics
-(loss sum, microbatch count, overflow count) ride at the end of the last
-buffer whenever its dtype holds them exactly, so a one-dtype model still does
-one allreduce per step.
+dtype; for a model whose buffers are reduced, followed by its buffer-delta buckets,
+buffers.py, summed, scaled and divided exactly like gradients) and produce
+one buffer to allreduce per bucket; the step's statistics (loss sum, microbatch
+count, overflow count) ride at the end of the last buffer whenever its dtype
+holds them exactly, so a one-dtype model still does one allreduce per step.
 
 Exact reduction (DESIGN.md "Determinism"): each microbatch's gradient is
 turned into integer fixed point with a power-of-two scale per tensor — the
@@ -40,7 +41,7 @@ from typing import Any
 
 import torch
 
-from recover.trainer.gradients import Bucket, GradientBuckets
+from recover.trainer.gradients import Bucket, BucketSet
 
 EXACT_BITS = 53
 """float64 holds every integer below 2**53 exactly: the reduced sum must stay below it."""
@@ -78,7 +79,7 @@ def _holds_counts(dtype: torch.dtype) -> bool:
 class FastAccumulator:
     """Float accumulation: backward sums microbatch gradients into `.grad` directly."""
 
-    def __init__(self, grads: GradientBuckets, reduce_dtype: str = "grad") -> None:
+    def __init__(self, grads: BucketSet, reduce_dtype: str = "grad") -> None:
         if reduce_dtype not in REDUCE_DTYPES:
             raise ValueError(f"reduce dtype must be one of {', '.join(REDUCE_DTYPES)}, "
                              f"got {reduce_dtype!r}")
@@ -157,7 +158,7 @@ class ExactAccumulator:
 
     STATS = 3  # loss (fixed point), microbatch count, overflow count
 
-    def __init__(self, grads: GradientBuckets, global_microbatches: int) -> None:
+    def __init__(self, grads: BucketSet, global_microbatches: int) -> None:
         self.grads = grads
         self.global_microbatches = global_microbatches
         self._limit = 2.0 ** EXACT_BITS / global_microbatches
@@ -290,7 +291,7 @@ class ExactAccumulator:
 Accumulator = FastAccumulator | ExactAccumulator
 
 
-def make_accumulator(mode: str, grads: GradientBuckets, global_microbatches: int,
+def make_accumulator(mode: str, grads: BucketSet, global_microbatches: int,
                      reduce_dtype: str = "grad") -> Accumulator:
     if mode == "exact":
         return ExactAccumulator(grads, global_microbatches)

@@ -14,6 +14,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from recover.trainer.buffers import ModelBuffers, model_buffers
+from recover.trainer.digest import model_digest
 from recover.trainer.errors import call_user, contract_error
 from recover.trainer.gradients import GradientBuckets
 from recover.trainer.sampling import microbatch_seed
@@ -80,7 +82,13 @@ class Workload:
     max_grad_norm: float | None = None
     on_step_committed: Callable[[StepInfo], None] | None = None
     extra_state: Mapping[str, Stateful] = field(default_factory=dict)
+    buffers: str = "reduce"
+    """The model's buffers: "reduce" (inside the guarantee, buffers.py) or "local"."""
     params: list[torch.nn.Parameter] = field(init=False)
+    model_buffers: ModelBuffers | None = field(init=False)
+    """The buffers reduced with each step; None when there are none (or "local")."""
+    buffer_warning: str | None = field(init=False)
+    """One line naming buffers the mode leaves outside the guarantee, to log at start."""
     _computing: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
@@ -97,6 +105,10 @@ class Workload:
                                  "that are not trainable parameters of the model; make them part "
                                  "of the model (an nn.Parameter attribute of a module)",
                                  where="train")
+        try:
+            self.model_buffers, self.buffer_warning = model_buffers(self.model, self.buffers)
+        except ValueError as exc:
+            raise contract_error(f"train(): {exc}", where="train") from None
         for owner, name in ((self.optimizer, "optimizer"), (self.model, "model")):
             owner.zero_grad = self._guard_zero_grad(owner.zero_grad, name)  # type: ignore[method-assign]
 
@@ -130,7 +142,12 @@ class Workload:
         """Forward and backward of one microbatch, its gradient added into `.grad`."""
         self._computing = True
         try:
-            return self._compute(step, microbatch, before_backward)
+            result = self._compute(step, microbatch, before_backward)
+            if self.model_buffers is not None:
+                # Its buffer update into the step's sum; the model holds the committed buffers
+                # again, so the next forward, whichever microbatch, starts from them too.
+                self.model_buffers.capture()
+            return result
         finally:
             self._computing = False
 
@@ -195,8 +212,12 @@ class Workload:
     # ------------------------------------------------------------ one commit
 
     def apply(self, grads: GradientBuckets, means: list[torch.Tensor]) -> tuple[float, float | None]:
-        """Apply a committed step's reduced gradient; returns (lr used, grad norm or None)."""
-        grads.load(means)
+        """Apply a committed step's reduced gradient (and, after it in `means`, the mean update
+        of the buffers in the guarantee); returns (lr used, grad norm or None)."""
+        count = len(grads.buckets)
+        grads.load(means[:count])
+        if self.model_buffers is not None:
+            self.model_buffers.commit(means[count:])
         lr = float(self.optimizer.param_groups[0].get("lr", math.nan))
         norm = None
         if self.max_grad_norm is not None:
@@ -206,6 +227,16 @@ class Workload:
         if self.lr_scheduler is not None:
             call_user("lr_scheduler.step", self.lr_scheduler.step)
         return lr, norm
+
+    def restore_buffers(self) -> None:
+        """After user code ran outside a microbatch (on_step_committed, an eval in train mode):
+        the model holds the committed buffers again, so what a donor snapshots is committed."""
+        if self.model_buffers is not None:
+            self.model_buffers.restore()
+
+    def digest(self) -> str:
+        """The step digest: parameters, and the buffers in the guarantee (digest.model_digest)."""
+        return model_digest(self.model, self.model_buffers.named() if self.model_buffers else ())
 
     # ------------------------------------------------------------ state for joins and restores
 
@@ -220,6 +251,8 @@ class Workload:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
+        if self.model_buffers is not None:
+            self.model_buffers.recommit()  # a donor's or a checkpoint's committed buffers
         self.optimizer.load_state_dict(state["optimizer"])
         if self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])

@@ -173,10 +173,11 @@ def test_a_resume_that_is_another_job_is_one_line(tmp_path: Path, changes, messa
 
 
 class Resuming:
-    """What ExecutorBase.load_checkpoint needs of a replica: a model to load into."""
+    """What ExecutorBase.load_checkpoint needs of a replica: a model to load into, and its
+    step digest (a model without buffers: its parameter digest)."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.workload = SimpleNamespace(model=model)
+        self.workload = SimpleNamespace(model=model, digest=lambda: parameter_digest(model))
 
     def load_training_state(self, state: dict, step: int, ledger: list) -> None:
         self.workload.model.load_state_dict(state["model"])

@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from recover.proto import pb
-from recover.trainer.digest import parameter_digest
+from recover.trainer.buffers import reduced_buckets
 from recover.trainer.executor import StepExecutor
 from recover.trainer.faults import FaultHooks, FaultInjector
 from recover.trainer.gradients import GradientBuckets
@@ -217,27 +218,35 @@ class Run:
         return [p.detach().clone() for p in self.executors[replica].workload.model.parameters()]
 
 
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
 def replica_executor(replica: int, reduce: str, channel: FakeChannel, rendezvous: FakeRendezvous,
                      faults: list[pb.FaultSpec], slowdowns: list[pb.SlowdownSpec],
-                     sleep: Any) -> StepExecutor:
+                     sleep: Any, build: Callable[[], nn.Module] = mlp,
+                     buffers: str = "reduce") -> StepExecutor:
     torch.manual_seed(SEED)  # every replica builds the same model (on the test's thread)
-    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+    model = build()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     source = FunctionMicrobatches(data)
     source.bind(M, SEED)
-    workload = Workload(model=model, optimizer=optimizer, source=source, seed=SEED, loss_fn=mse)
+    workload = Workload(model=model, optimizer=optimizer, source=source, seed=SEED, loss_fn=mse,
+                        buffers=buffers)
     grads = GradientBuckets(workload.params)
     job = pb.JobConfig(job_id="fake", replicas=REPLICAS, steps=STEPS, global_microbatches=M,
                        seed=SEED, reduce=reduce, group_timeout_s=SAFETY_S)
     hooks = FaultHooks(FaultInjector(faults, replica, channel.note_fault, kill=die),
                        slowdown=SlowdownSchedule(slowdowns, replica), sleep=sleep)
     return StepExecutor(job, replica, channel, workload, grads,
-                        make_accumulator(reduce, grads, M), hooks=hooks, groups=rendezvous)
+                        make_accumulator(reduce, reduced_buckets(grads, workload.model_buffers), M),
+                        hooks=hooks, groups=rendezvous)
 
 
 def train(reduce: str = "exact", faults: tuple[pb.FaultSpec, ...] = (), hold: set[int] | None = None,
           crash_in_allreduce: tuple[int, int] | None = None,
-          slowdowns: tuple[pb.SlowdownSpec, ...] = (), sleep: Any = None) -> Run:
+          slowdowns: tuple[pb.SlowdownSpec, ...] = (), sleep: Any = None,
+          build: Callable[[], nn.Module] = mlp, buffers: str = "reduce") -> Run:
     """Train STEPS steps with REPLICAS replica threads; returns when every thread ended."""
     controller = FakeController(list(range(REPLICAS)), hold=set(hold or ()))
     rendezvous = FakeRendezvous(timeout_s=SAFETY_S)
@@ -247,12 +256,12 @@ def train(reduce: str = "exact", faults: tuple[pb.FaultSpec, ...] = (), hold: se
     for replica in controller.replicas:
         controller.channels[replica] = FakeChannel(replica, controller.events)
         executors[replica] = replica_executor(replica, reduce, controller.channels[replica],
-                                              rendezvous, list(faults), list(slowdowns), sleep)
+                                              rendezvous, list(faults), list(slowdowns), sleep,
+                                              build, buffers)
 
     def life(executor: StepExecutor) -> None:
         try:
-            outcome: Any = executor.run(pb.Ready(param_sha256=parameter_digest(
-                executor.workload.model)))
+            outcome: Any = executor.run(pb.Ready(param_sha256=executor.workload.digest()))
         except MemberKilled:
             controller.events.put(("lost", executor.replica))
             outcome = "killed"

@@ -217,3 +217,23 @@ def test_cli_rejects_bad_loss_rtol(tmp_path, capsys, rtol):
     code, out, err = run_verify(capsys, [a, a, f"--loss-rtol={rtol}"])
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and "--loss-rtol must be a finite number >= 0" in err
+
+
+def with_buffers(buffers: str) -> dict:
+    """A summary whose step digests cover buffers too: PARAMS+BUFFERS (trainer/digest.py)."""
+    s = summary()
+    s["param_sha256_per_step"] = [f"{d}+{buffers * 32}" for d in s["param_sha256_per_step"]]
+    return s
+
+
+def test_buffer_digests_say_which_part_differs():
+    same = compare(with_buffers("b1"), with_buffers("b1"))
+    assert same.identical and "parameters and buffers after every step" in same.message
+    verdict = compare(with_buffers("b1"), with_buffers("b2"))
+    assert verdict.message == ("differ: first at step 0: buffers b1b1b1b1b1b1 vs b2b2b2b2b2b2 "
+                               "(parameters agree)")
+    params = with_buffers("b1")
+    params["param_sha256_per_step"][2] = "ee" * 32 + "+" + "b1" * 32
+    assert "step 2: parameters 02cdcdcdcdcd vs eeeeeeeeeeee" in compare(with_buffers("b1"),
+                                                                        params).message
+    assert "the other's do not" in compare(summary(), with_buffers("b1")).message

@@ -14,8 +14,8 @@ from torch import nn
 
 from recover.trainer import DatasetMicrobatches, FunctionMicrobatches
 from recover.trainer.api import _workload
+from recover.trainer.buffers import reduced_buckets
 from recover.trainer.determinism import check_determinism
-from recover.trainer.digest import parameter_digest
 from recover.trainer.errors import WorkloadError
 from recover.trainer.gradients import GradientBuckets
 from recover.trainer.reduction import make_accumulator
@@ -59,6 +59,11 @@ def make(loss_fn=mse, seed: int = 0, **extra: Any) -> tuple[Workload, GradientBu
     return workload, GradientBuckets(workload.params)
 
 
+def accumulator(mode: str, workload: Workload, grads: GradientBuckets) -> Any:
+    """As train() builds it: the gradients, then the buffers (the model has a BatchNorm)."""
+    return make_accumulator(mode, reduced_buckets(grads, workload.model_buffers), M)
+
+
 def train_steps(workload: Workload, grads: GradientBuckets, acc: Any, steps: range) -> list[str]:
     """One replica computing all M microbatches of each step, no collectives."""
     digests = []
@@ -72,7 +77,7 @@ def train_steps(workload: Workload, grads: GradientBuckets, acc: Any, steps: ran
         reduced = acc.finish(acc.buffers())
         workload.apply(grads, reduced.grads)
         acc.observe_committed(reduced.grads)
-        digests.append(parameter_digest(workload.model))
+        digests.append(workload.digest())  # parameters and buffers
     return digests
 
 
@@ -195,7 +200,7 @@ def test_determinism_check_catches_an_unseeded_random_generator(rng: str) -> Non
 def test_clipping_and_the_scheduler_follow_committed_steps() -> None:
     workload, grads = make(max_grad_norm=1e-3)
     workload.lr_scheduler = torch.optim.lr_scheduler.StepLR(workload.optimizer, 1, gamma=0.5)
-    acc = make_accumulator("exact", grads, M)
+    acc = accumulator("exact", workload, grads)
     train_steps(workload, grads, acc, range(3))
     assert workload.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 / 8)
     total = torch.cat([p.grad.reshape(-1) for p in workload.params]).norm()
@@ -208,7 +213,7 @@ def test_state_dict_continues_bitwise(mode: str) -> None:
     counter = Counter()
     workload, grads = make(extra_state={"counter": counter})
     workload.lr_scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(workload.optimizer, 6)
-    acc = make_accumulator(mode, grads, M)
+    acc = accumulator(mode, workload, grads)
     reference = train_steps(workload, grads, acc, range(3))
     counter.count = 3
     # state_dict() holds references to live tensors, as torch's do: copy it, as a snapshot will.
@@ -218,7 +223,7 @@ def test_state_dict_continues_bitwise(mode: str) -> None:
     joiner_counter = Counter()
     joiner, joiner_grads = make(seed=99, extra_state={"counter": joiner_counter})  # other init
     joiner.lr_scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(joiner.optimizer, 6)
-    joiner_acc = make_accumulator(mode, joiner_grads, M)
+    joiner_acc = accumulator(mode, joiner, joiner_grads)
     joiner.seed = workload.seed  # the job's seed, as init() hands it to every replica
     joiner.load_state_dict(state["workload"])
     joiner_acc.load_state_dict(state["reduction"])

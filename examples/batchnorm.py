@@ -1,0 +1,84 @@
+"""A small ConvNet with BatchNorm: buffers inside the guarantee, an eval on the first replica.
+
+    recover run --replicas 4 --steps 12 --reduce exact -- python examples/batchnorm.py
+
+BatchNorm's running statistics are buffers, written by forward. ReCoVer reduces their
+per-microbatch updates like gradients (``buffers="reduce"``, the default): after every step
+they are the same whoever computed which microbatch, so in exact mode the eval below gives
+the failure-free run's numbers through kills. ``--buffers local`` shows the alternative
+(each replica's own buffers, outside the guarantee). ``--eval-out FILE`` appends one JSON
+line per step (accuracy, eval loss, a digest of the buffers) from the first replica.
+"""
+
+import argparse
+import hashlib
+import json
+
+import torch
+from torch import nn
+
+import recover.trainer as rt
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--width", type=int, default=8)
+parser.add_argument("--buffers", choices=["reduce", "local"], default="reduce")
+parser.add_argument("--eval-out", default="")
+args = parser.parse_args()
+
+job = rt.init()
+torch.manual_seed(job.seed)  # every replica builds the same model and data
+
+# 8x8 one-channel images of 4 classes: which quadrant holds a bright blob, plus noise.
+CLASSES, SIZE = 4, 8
+
+
+def images(count: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    labels = torch.randint(0, CLASSES, (count,), generator=generator)
+    x = 0.5 * torch.randn(count, 1, SIZE, SIZE, generator=generator)
+    for i, label in enumerate(labels.tolist()):
+        row, col = divmod(label, 2)
+        x[i, 0, row * 4:row * 4 + 4, col * 4:col * 4 + 4] += 1.0
+    return x, labels
+
+
+train_set = torch.utils.data.TensorDataset(*images(2048, torch.Generator().manual_seed(1)))
+eval_x, eval_y = images(512, torch.Generator().manual_seed(2))
+
+width = args.width
+model = nn.Sequential(
+    nn.Conv2d(1, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
+    nn.Conv2d(width, 2 * width, 3, stride=2, padding=1), nn.BatchNorm2d(2 * width), nn.ReLU(),
+    nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * width, CLASSES))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def evaluate(info: rt.StepInfo) -> None:
+    """On the first replica only: eval mode uses (and leaves) the running statistics."""
+    if not info.is_first_replica:
+        return
+    model.eval()
+    with torch.no_grad():
+        logits = model(eval_x)
+    model.train()
+    buffers = hashlib.sha256()
+    for name, tensor in model.named_buffers():
+        buffers.update(name.encode() + tensor.numpy().tobytes())
+    line = {"step": info.step, "accuracy": float((logits.argmax(1) == eval_y).float().mean()),
+            "eval_loss": float(nn.functional.cross_entropy(logits, eval_y)),
+            "buffers_sha256": buffers.hexdigest()}
+    if info.step == job.steps - 1:
+        print(f"step {info.step}: eval accuracy {line['accuracy']:.3f}", flush=True)
+    if args.eval_out:
+        with open(args.eval_out, "a") as out:
+            out.write(json.dumps(line) + "\n")
+
+
+result = rt.train(job, model, optimizer,
+                  microbatches=rt.DatasetMicrobatches(train_set, microbatch_size=16),
+                  loss_fn=loss_fn, on_step_committed=evaluate, buffers=args.buffers)
+raise SystemExit(0 if result.success else 1)
