@@ -278,7 +278,8 @@ def measure(args: argparse.Namespace, out: Path) -> dict[str, Any]:
               "--compute-ms", str(args.compute_ms), "--seed", "0"]
     plan = [(m, c) for m in args.microbatches for c in CASES]
     env_before = {**environment(), **foreign_load()}
-    began, rounds = time.monotonic(), []
+    began = time.monotonic()
+    rounds: list[dict[str, Any]] = []
     for i in range(args.rounds):
         order = plan if i % 2 == 0 else list(reversed(plan))
         rnd: dict[str, Any] = {"round": i, "order": [f"{m}/{c}" for m, c in order],
@@ -296,8 +297,16 @@ def measure(args: argparse.Namespace, out: Path) -> dict[str, Any]:
               f"{os.getloadavg()[0]:.2f}): " + "; ".join(
                   f"M={m} " + " ".join(f"{c} {rnd['runs'][m][c]['step_s'] * 1000:.0f}" for c in CASES)
                   for m in rnd["runs"]), file=sys.stderr, flush=True)
+        # Kept after every round: an interrupted measurement can still be --reanalyse'd.
+        (out / "results.json").write_text(json.dumps(document(args, common, rounds, began,
+                                                              env_before), indent=2) + "\n")
     if not args.keep_runs:
         shutil.rmtree(out / "runs", ignore_errors=True)
+    return document(args, common, rounds, began, env_before)
+
+
+def document(args: argparse.Namespace, common: list[str], rounds: list[dict[str, Any]],
+             began: float, env_before: dict[str, Any]) -> dict[str, Any]:
     return {"benchmark": "quotas", "issue": 21, "command": [sys.executable, *sys.argv],
             "job": {"common_args": common, "microbatches": args.microbatches,
                     "steps": args.steps, "midrun_steps": args.midrun_steps, "warmup": args.warmup,
@@ -316,7 +325,7 @@ def main() -> int:
     parser.add_argument("-M", "--microbatches", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--compute-ms", type=float, default=45.0)
     parser.add_argument("-B", "--microbatch-size", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=12, help="steps of the steady runs")
+    parser.add_argument("--steps", type=int, default=10, help="steps of the steady runs")
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of the step time")
     parser.add_argument("--slow-from", type=int, default=5, help="S of prop-midrun")
     parser.add_argument("--slow-until", type=int, default=11, help="T of prop-midrun")
