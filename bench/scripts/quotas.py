@@ -44,15 +44,16 @@ import math
 import os
 import random
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from recover.bench.env import environment, foreign_load, percentile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling script below
+import before_after  # noqa: E402
 
 REPLICAS, SLOW, FACTOR = 4, 2, 2.0
 CASES = ("uniform-equal", "prop-equal", "uniform-slow", "prop-slow", "prop-midrun")
@@ -84,27 +85,9 @@ def integer_bound_units(m: int) -> float:
 # ------------------------------------------------------------------ one run
 
 def run_job(out: Path, args: list[str], timeout_s: float) -> dict[str, Any]:
-    """`recover run ... --out OUT`, stopped (its whole session) after timeout_s; its summary."""
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "recover.cli.main", "run", "--quiet", "--out", str(out), *args]
-    with open(out / "launcher.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                cwd=out, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGTERM)  # the launcher ends its controller, agents, workers
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)  # the session this script started
-                proc.wait()
-            raise RuntimeError(f"no result within {timeout_s:.0f}s: {' '.join(cmd)}") from None
-    if rc != 0:
-        tail = (out / "launcher.log").read_text(errors="replace")[-1500:]
-        raise RuntimeError(f"rc {rc}: {' '.join(cmd)}\n{tail}")
-    summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
-    return summary
+    """`recover run ... --out OUT` of this checkout, stopped (its whole session) after
+    timeout_s; its summary (before_after.py's runner, with this python's build)."""
+    return before_after.run_job([sys.executable, "-m", "recover.cli.main"], out, args, timeout_s)
 
 
 def one_run(out: Path, args: list[str], warmup: int, timeout_s: float) -> dict[str, Any]:
