@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import sys
 import tempfile
 import time
 import uuid
@@ -26,7 +27,15 @@ from recover.agent.link import LinkError, Session, close_session, open_session
 from recover.agent.local import WorkerChannelService
 from recover.agent.metrics import AgentCollector
 from recover.agent.restarts import RESTART_WINDOW_S, decide_restart, recent_restarts
-from recover.agent.workers import WorkerProcess, exit_report, spawn_worker, stop_workers
+from recover.agent.warmstart import WarmStarter, decide_warm_start
+from recover.agent.workers import (
+    WorkerProcess,
+    base_environment,
+    exit_report,
+    resolve_command,
+    spawn_worker,
+    stop_workers,
+)
 from recover.common import progress
 from recover.common.netaddr import local_address_towards
 from recover.common.security import Security
@@ -78,6 +87,10 @@ class AgentConfig:
     """Restarts older than this no longer count against a slot."""
     security: Security = Security()
     """Credentials towards the controller (TLS, a client certificate, a token)."""
+    warm_start: bool = True
+    """Fork workers from a warm interpreter that has imported torch once (see
+    recover.agent.zygote) when the command is `python SCRIPT` or `python -m MODULE`;
+    False: every worker is a fresh process (`--cold-start`)."""
 
 
     @property
@@ -110,6 +123,7 @@ class Agent:
         self._run_dir = Path()
         self._transfer_host = "127.0.0.1"
         self._tasks: list[asyncio.Task[None]] = []
+        self._warm: WarmStarter | None = None
 
     def relay(self, report: pb.WorkerReport) -> None:
         kind = report.WhichOneof("kind")
@@ -171,10 +185,13 @@ class Agent:
                 self._job, self._run_dir = registered.job, Path(socket_dir)
                 server, self._channel_address = await self._serve_workers(registered.job,
                                                                           self._run_dir)
-                for slot, replica in enumerate(registered.replica_ids):
-                    await self._spawn(slot, replica)
+                await self._start_warm()
+                # Heartbeats first: the first spawn may wait seconds for the warm
+                # interpreter's imports on a busy host.
                 self._tasks += [asyncio.create_task(self._heartbeat()),
                                 asyncio.create_task(self._watchdog(registered.job))]
+                for slot, replica in enumerate(registered.replica_ids):
+                    await self._spawn(slot, replica)
                 while not await self._pump(session):
                     # The leader is gone (or stood down): the workers keep going
                     # while we find the new one and rejoin it.
@@ -188,6 +205,8 @@ class Agent:
                     task.cancel()
                 await stop_workers(list(self.workers.values()), cfg.shutdown_grace_s
                                    if self._shutdown is not None else 0.0)
+                if self._warm is not None:
+                    await self._warm.close()
                 self._upstream.put_nowait(None)
                 if server is not None:
                     await server.stop(grace=0.2)
@@ -219,18 +238,34 @@ class Agent:
         await server.start()
         return server, address
 
-    async def _spawn(self, slot: int, replica: int) -> None:
-        """Start the worker of `replica` on `slot` and watch it."""
-        log_dir = Path(self.config.log_dir) if self.config.log_dir else None
+    def _worker_command(self) -> list[str]:
         command = self.config.command or list(self._job.workload.command)
         if not command:
             raise AgentError("the job names no worker command: give one after `--`")
+        return command
+
+    async def _start_warm(self) -> None:
+        decision = decide_warm_start(resolve_command(self._worker_command()), sys.executable,
+                                     self.config.warm_start)
+        log.info("%s", decision.reason)
+        if decision.target is None:
+            return
+        log_dir = self.config.log_dir
+        self._warm = WarmStarter(decision.target, base_environment(),
+                                 Path(log_dir) / f"warm-{self.config.agent_id}.log"
+                                 if log_dir else None)
+        await self._warm.start()
+
+    async def _spawn(self, slot: int, replica: int) -> None:
+        """Start the worker of `replica` on `slot` and watch it."""
+        log_dir = Path(self.config.log_dir) if self.config.log_dir else None
+        command = self._worker_command()
         try:
             worker = await spawn_worker(
                 command, replica=replica, slot=slot, agent_id=self.config.agent_id,
                 agent_address=self._channel_address, job_id=self._job.job_id, log_dir=log_dir,
                 progress_path=self._run_dir / f"progress-{replica}.bin",
-                transfer_host=self._transfer_host)
+                transfer_host=self._transfer_host, warm=self._warm)
         except OSError as exc:
             # As if it died at once, with the reason as its last words: the controller
             # then fails a job that cannot start (or recovers a running one).
@@ -242,7 +277,9 @@ class Agent:
             return
         self.workers[replica] = worker
         self._tasks.append(asyncio.create_task(self._watch(worker)))
-        log.info("spawned worker pid %d on slot %d", worker.pid, slot, extra={"replica": replica})
+        log.info("spawned worker pid %d on slot %d%s", worker.pid, slot,
+                 " (forked warm)" if worker.warm else "",
+                 extra={"replica": replica})
 
     async def _watch(self, worker: WorkerProcess) -> None:
         returncode = await worker.process.wait()

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from recover.agent.warmstart import ForkedProcess, WarmStarter
 from recover.common import progress
 from recover.proto import pb
 
@@ -19,7 +20,7 @@ from recover.proto import pb
 class WorkerProcess:
     replica: int
     slot: int
-    process: asyncio.subprocess.Process
+    process: asyncio.subprocess.Process | ForkedProcess
     log_file: IO[bytes] | None = None
     fault: pb.FaultNote | None = None
     """What the worker said about the fault it injected into itself, if any."""
@@ -37,6 +38,11 @@ class WorkerProcess:
     @property
     def pid(self) -> int:
         return self.process.pid
+
+    @property
+    def warm(self) -> bool:
+        """Forked from the agent's warm interpreter (not started as a fresh process)."""
+        return isinstance(self.process, ForkedProcess)
 
     def kill_group(self) -> None:
         """SIGKILL what is left of the worker's process group once the worker is gone."""
@@ -85,6 +91,16 @@ def output_tail(path: Path | None) -> str:
     return "\n".join(lines[-OUTPUT_TAIL_LINES:])
 
 
+def base_environment() -> dict[str, str]:
+    """What every worker of this agent has in its environment (the warm interpreter too)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # Several workers share a host's cores, and bitwise-identical results need the
+    # same thread count on every replica: one intra-op thread unless the user says
+    # otherwise (torchrun does the same).
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
 async def spawn_worker(
     command: list[str],
     *,
@@ -96,34 +112,35 @@ async def spawn_worker(
     log_dir: Path | None,
     progress_path: Path | None = None,
     transfer_host: str = "127.0.0.1",
+    warm: WarmStarter | None = None,
 ) -> WorkerProcess:
-    """Start one worker with its identity in RECOVER_* variables (like torchrun's RANK)."""
-    env = dict(os.environ)
+    """Start one worker with its identity in RECOVER_* variables (like torchrun's RANK):
+    forked from the warm interpreter when there is one, else as a fresh process."""
+    env = base_environment()
     env.update({
         "RECOVER_REPLICA_ID": str(replica),
         "RECOVER_SLOT": str(slot),
         "RECOVER_AGENT_ID": agent_id,
         "RECOVER_AGENT_ADDR": agent_address,
         "RECOVER_JOB_ID": job_id,
-        # The worker arms a parent-death signal against this pid (no preexec_fn:
-        # forking a process that runs gRPC threads must exec straight away).
+        # The worker arms a parent-death signal and checks that this pid lives (no
+        # preexec_fn: forking a process that runs gRPC threads must exec straight away).
         "RECOVER_AGENT_PID": str(os.getpid()),
-        "PYTHONUNBUFFERED": "1",
         # Where the worker accepts a donor's state when it joins a running job.
         "RECOVER_TRANSFER_HOST": transfer_host,
     })
-    # Several workers share a host's cores, and bitwise-identical results need the
-    # same thread count on every replica: one intra-op thread unless the user says
-    # otherwise (torchrun does the same).
-    env.setdefault("OMP_NUM_THREADS", "1")
     if progress_path is not None:
         progress.create(progress_path)
         env["RECOVER_PROGRESS_FILE"] = str(progress_path)
-    log_file = log_path = None
+    log_path = None
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"replica-{replica}.log"
-        log_file = open(log_path, "ab")  # noqa: SIM115 (owned by WorkerProcess)
+    forked = await warm.spawn(env, os.getcwd(), log_path) if warm is not None else None
+    if forked is not None:
+        return WorkerProcess(replica, slot, forked, None, progress_path=progress_path,
+                             log_path=log_path)
+    log_file = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115 (owned by WorkerProcess)
     # A process group of its own (start_new_session), so that kill() reaches everything
     # the worker command started.
     process = await asyncio.create_subprocess_exec(

@@ -243,6 +243,7 @@ def run_local(args: argparse.Namespace) -> int:
                 "--slots", str(slots), "--agent-id", f"host{index}", "--log-dir", str(job.logs),
                 "--max-restarts", str(args.max_restarts),
                 "--restart-window", str(args.restart_window),
+                *(["--cold-start"] if args.cold_start else []),
                 *(tls.flags(f"host{index}") if tls else [])])
         print(f"recover run: job {job_config.job_id}, {job_config.replicas} replicas on {agents} "
               f"agents, controller{'s' if len(addresses) > 1 else ''} {address}, logs in "

@@ -60,7 +60,10 @@ JOB_COMMANDS = (("run",), ("controller",), ("bench", "throughput"), ("bench", "o
 
 
 def add_restart_arguments(parser: argparse.ArgumentParser) -> None:
-    """The agents' worker restarts (`recover run` passes them on to its agents)."""
+    """How the agents start and restart workers (`recover run` passes them on)."""
+    parser.add_argument("--cold-start", action="store_true",
+                        help="start every worker as a fresh process instead of forking it from "
+                             "the agent's warm interpreter (which has imported torch once)")
     parser.add_argument("--max-restarts", type=restart_count, default=3,
                         help="times each slot's worker is replaced after it dies, with backoff, "
                              "within --restart-window (default 3; 0: never)")
@@ -263,7 +266,7 @@ def _run_agent(args: argparse.Namespace) -> int:
     config = AgentConfig(controller=args.controller, slots=args.slots,
                          command=command or None, log_dir=args.log_dir,
                          connect_timeout_s=args.connect_timeout, metrics_port=args.metrics_port,
-                         max_restarts=args.max_restarts,
+                         max_restarts=args.max_restarts, warm_start=not args.cold_start,
                          restart_window_s=args.restart_window, security=security,
                          **({"agent_id": args.agent_id} if args.agent_id else {}))
     try:

@@ -1,0 +1,203 @@
+"""Workers forked from a warm interpreter instead of started cold (the agent's side of
+recover.agent.zygote): a restarted worker skips interpreter start and `import torch`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+log = logging.getLogger("recover.agent")
+
+
+@dataclass(frozen=True)
+class WarmDecision:
+    """Whether a worker command can be forked from the warm interpreter, and why."""
+
+    target: list[str] | None
+    """What follows the interpreter (["-m", MODULE, *ARGS] or [SCRIPT, *ARGS]); None: cold."""
+    reason: str
+
+
+def decide_warm_start(command: list[str], executable: str, enabled: bool = True) -> WarmDecision:
+    """Only `INTERPRETER SCRIPT ...` and `INTERPRETER -m MODULE ...` under the agent's own
+    interpreter can be forked from it: a wrapper script, another Python or interpreter
+    options (-u, -X ...) need the process they ask for."""
+    if not enabled:
+        return WarmDecision(None, "workers start cold (--cold-start)")
+    if not command:
+        return WarmDecision(None, "no worker command")
+    interpreter, rest = command[0], command[1:]
+    if os.path.realpath(interpreter) != os.path.realpath(executable):
+        return WarmDecision(None, f"workers start cold: {interpreter} is not the agent's "
+                                  f"interpreter ({executable})")
+    if rest[:1] == ["-m"] and len(rest) >= 2 and not rest[1].startswith("-"):
+        return WarmDecision(rest, f"workers fork from a warm interpreter (module {rest[1]})")
+    if rest and not rest[0].startswith("-"):
+        return WarmDecision(rest, f"workers fork from a warm interpreter (script {rest[0]})")
+    if rest:
+        return WarmDecision(None, f"workers start cold: interpreter option {rest[0]} needs a "
+                                  "fresh interpreter")
+    return WarmDecision(None, "workers start cold: the command names no script or module")
+
+
+@dataclass
+class ForkedProcess:
+    """A worker forked by the zygote: the part of asyncio's Process the agent uses. Its exit
+    status comes from the zygote, which reaps it the moment it exits."""
+
+    pid: int
+    returncode: int | None = None
+    _exited: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def wait(self) -> int:
+        await self._exited.wait()
+        assert self.returncode is not None
+        return self.returncode
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+
+    def exited(self, returncode: int) -> None:
+        if self.returncode is None:
+            self.returncode = returncode
+            self._exited.set()
+
+
+class WarmStarter:
+    """One zygote per agent; `spawn` returns None whenever a worker must start cold."""
+
+    def __init__(self, target: list[str], env: dict[str, str], log_path: Path | None,
+                 preload: tuple[str, ...] | None = None) -> None:
+        self.target = target
+        self._preload = preload
+        """Modules the zygote imports before forking; None: its own list (torch, ...)."""
+        self._env = env
+        self._log_path = log_path
+        self.broken = ""
+        """Why workers start cold from now on (the zygote refused, failed or exited)."""
+        self._ready: asyncio.Future[str] | None = None
+        self._pending: dict[int, asyncio.Future[ForkedProcess | None]] = {}
+        self._processes: dict[int, ForkedProcess] = {}
+        self._writer: asyncio.StreamWriter | None = None
+        self._zygote: asyncio.subprocess.Process | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self._next = 0
+        self._closing = False
+
+    async def start(self) -> None:
+        """Start the zygote; it imports in the background while the agent goes on."""
+        ours, theirs = socket.socketpair()
+        log_file: IO[bytes] | None = open(self._log_path, "ab") if self._log_path else None  # noqa: SIM115
+        try:
+            # Its own session: a Ctrl-C meant for the agent must not kill every worker at once.
+            self._zygote = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "recover.agent.zygote", "--control-fd", str(theirs.fileno()),
+                "--agent-pid", str(os.getpid()),
+                *(["--preload", ",".join(self._preload)] if self._preload is not None else []),
+                pass_fds=(theirs.fileno(),), env=self._env,
+                stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file,
+                start_new_session=True)
+        except OSError as exc:
+            ours.close()
+            self.broken = f"cannot start the warm interpreter: {exc.strerror}"
+            return
+        finally:
+            theirs.close()
+            if log_file is not None:
+                log_file.close()
+        self._ready = asyncio.get_running_loop().create_future()
+        reader, self._writer = await asyncio.open_unix_connection(sock=ours)
+        self._reader_task = asyncio.create_task(self._read(reader))
+
+    async def spawn(self, env: dict[str, str], cwd: str, log_path: Path | None
+                    ) -> ForkedProcess | None:
+        if self._ready is None or self._writer is None or self.broken:
+            return None
+        refused = await asyncio.shield(self._ready)
+        if refused:
+            return self._give_up(refused)
+        self._next += 1
+        waiting = asyncio.get_running_loop().create_future()
+        self._pending[self._next] = waiting
+        request = {"spawn": self._next, "target": self.target, "env": env, "cwd": cwd,
+                   "log": str(log_path) if log_path else None}
+        try:
+            self._writer.write(json.dumps(request).encode() + b"\n")
+            await self._writer.drain()
+        except (ConnectionError, RuntimeError) as exc:
+            self._pending.pop(self._next, None)
+            return self._give_up(f"the warm interpreter is gone ({exc})")
+        return await waiting
+
+    def _give_up(self, reason: str) -> None:
+        if not self.broken:
+            self.broken = reason
+            if not self._closing:
+                log.warning("workers start cold from now on: %s", reason)
+        return None
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        assert self._ready is not None
+        try:
+            while line := await reader.readline():
+                message = json.loads(line)
+                if "ready" in message or "refused" in message:
+                    if message.get("refused"):
+                        self._give_up(message["refused"])
+                    self._ready.set_result(message.get("refused", ""))
+                elif "spawned" in message:
+                    process = ForkedProcess(message["pid"]) if "pid" in message else None
+                    if process is not None:
+                        self._processes[process.pid] = process
+                    else:
+                        log.warning("the warm interpreter could not fork: %s", message["error"])
+                    waiting = self._pending.pop(message["spawned"], None)
+                    if waiting is not None and not waiting.done():
+                        waiting.set_result(process)
+                elif "exited" in message:
+                    process = self._processes.pop(message["exited"], None)
+                    if process is not None:
+                        process.exited(message["returncode"])
+        finally:
+            self._zygote_gone()
+
+    def _zygote_gone(self) -> None:
+        """Its children die with it (a parent-death signal); make sure, and say so."""
+        code = self._zygote.returncode if self._zygote is not None else None
+        self._give_up(f"the warm interpreter exited (code {code})" if code is not None
+                      else "the warm interpreter closed its socket")
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_result(self.broken)
+        for waiting in self._pending.values():
+            if not waiting.done():
+                waiting.set_result(None)
+        self._pending.clear()
+        for process in self._processes.values():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.exited(-signal.SIGKILL)
+        self._processes.clear()
+
+    async def close(self) -> None:
+        """End the zygote (its remaining children with it): after the workers are stopped."""
+        self._closing = True
+        if self._writer is not None:
+            self._writer.close()
+        if self._zygote is not None and self._zygote.returncode is None:
+            try:
+                await asyncio.wait_for(self._zygote.wait(), 5)
+            except TimeoutError:
+                self._zygote.kill()
+                await self._zygote.wait()
+        if self._reader_task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader_task
