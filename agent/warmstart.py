@@ -13,7 +13,6 @@ import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
 
 log = logging.getLogger("recover.agent")
 
@@ -96,15 +95,14 @@ class WarmStarter:
     async def start(self) -> None:
         """Start the zygote; it imports in the background while the agent goes on."""
         ours, theirs = socket.socketpair()
-        log_file: IO[bytes] | None = open(self._log_path, "ab") if self._log_path else None  # noqa: SIM115
         try:
             # Its own session: a Ctrl-C meant for the agent must not kill every worker at once.
             self._zygote = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "recover.agent.zygote", "--control-fd", str(theirs.fileno()),
                 "--agent-pid", str(os.getpid()),
+                *(["--log", str(self._log_path)] if self._log_path is not None else []),
                 *(["--preload", ",".join(self._preload)] if self._preload is not None else []),
-                pass_fds=(theirs.fileno(),), env=self._env,
-                stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file,
+                pass_fds=(theirs.fileno(),), env=self._env, stdin=asyncio.subprocess.DEVNULL,
                 start_new_session=True)
         except OSError as exc:
             ours.close()
@@ -112,8 +110,6 @@ class WarmStarter:
             return
         finally:
             theirs.close()
-            if log_file is not None:
-                log_file.close()
         self._ready = asyncio.get_running_loop().create_future()
         reader, self._writer = await asyncio.open_unix_connection(sock=ours)
         self._reader_task = asyncio.create_task(self._read(reader))
@@ -192,6 +188,8 @@ class WarmStarter:
         self._closing = True
         if self._writer is not None:
             self._writer.close()
+        if self._zygote is not None and self._ready is not None and not self._ready.done():
+            self._zygote.kill()  # still importing, so no worker of it to wait for
         if self._zygote is not None and self._zygote.returncode is None:
             try:
                 await asyncio.wait_for(self._zygote.wait(), 5)

@@ -153,17 +153,31 @@ def main() -> None:
     parser.add_argument("--agent-pid", type=int, required=True)
     parser.add_argument("--preload", default=",".join(PRELOAD),
                         help="comma-separated modules to import before forking")
+    parser.add_argument("--log", default=None,
+                        help="append this process's output here (its forked workers write their "
+                             "own); in the command line, so `ps` shows whose zygote it is")
     args = parser.parse_args()
+    if args.log is not None:
+        log = os.open(args.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
     control = socket.socket(fileno=args.control_fd)
     if not die_with_parent(args.agent_pid):
         raise SystemExit(0)
     refused = preload(tuple(name for name in args.preload.split(",") if name))
-    _send(control, {"refused": refused} if refused else {"ready": True})
+    try:
+        _send(control, {"refused": refused} if refused else {"ready": True})
+    except OSError:  # the agent ended while we imported
+        raise SystemExit(0) from None
     if refused:
         raise SystemExit(0)
     gc.freeze()  # children leave these objects alone: fewer copied pages, shorter collections
     zygote = os.getpid()
-    spec = serve(control)
+    try:
+        spec = serve(control)
+    except (OSError, ValueError):  # the agent is gone (or sent what it never sends): end
+        raise SystemExit(0) from None
     become(spec, zygote)
     run(spec.target)
 

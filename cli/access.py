@@ -8,7 +8,7 @@ import sys
 
 import grpc
 
-from recover.cli.jobargs import UsageError
+from recover.cli.jobargs import UsageError, positive_seconds
 from recover.common.security import Security, SecurityError, from_values
 from recover.proto import pb
 
@@ -48,7 +48,7 @@ def add_operator_parsers(sub: argparse._SubParsersAction) -> None:
         p = sub.add_parser(name, help=text)
         p.add_argument("--controller", default="127.0.0.1:50051",
                        help="HOST:PORT, or a comma-separated list (the leader among them acts)")
-        p.add_argument("--timeout", type=float, default=10.0,
+        p.add_argument("--timeout", type=positive_seconds, default=10.0,
                        help="seconds to wait for the controller to answer")
         if name == "drain":
             p.add_argument("agent_id", help="the agent to drain (`recover events` names them)")

@@ -26,7 +26,23 @@ from recover.cli.jobargs import UsageError
 from recover.common.security import Role
 
 DEFAULT_DAYS = 365
+MAX_DAYS = 36500
+"""A hundred years: beyond that a validity is a typo (and soon past X.509's year 9999)."""
 CA_CERT, CA_KEY = "ca.pem", "ca-key.pem"
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+SUBJECT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]*")
+DNS_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+def valid_host(host: str) -> bool:
+    """An IP address, or a DNS name (a leading `*.` wildcard allowed)."""
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    labels = host.removeprefix("*.").split(".")
+    return len(host) <= 253 and all(DNS_LABEL.fullmatch(label) for label in labels)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -54,21 +70,34 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.certs_command == "token":
+        if args.subject and not SUBJECT.fullmatch(args.subject):
+            raise UsageError(f"recover certs: --subject {args.subject!r}: one word of letters, "
+                             "digits, '.', '_', '@' and '-' (it is the line's third field)")
         roles = ",".join(args.role) if args.role else ",".join(Role)
         print(f"{secrets.token_urlsafe(32)} {roles} {args.subject or 'token'}")
         return 0
-    if args.days < 1:
-        raise UsageError(f"recover certs: --days must be at least 1, got {args.days}")
+    if not 1 <= args.days <= MAX_DAYS:
+        raise UsageError(f"recover certs: --days must be 1..{MAX_DAYS}, got {args.days}")
     folder = Path(args.dir)
-    if args.certs_command == "issue" and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", args.name):
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"recover certs: {args.dir!r} is a file, not a folder")
+    if args.certs_command == "issue" and not NAME.fullmatch(args.name):
         raise UsageError(f"recover certs: {args.name!r} is not a name for a certificate (letters, "
                          "digits, '.', '_' and '-')")
-    if args.certs_command == "init":
-        cert, key = init_ca(folder, args.name, args.days)
-        print(f"recover certs: created the CA {cert} (key {key}: keep it off the cluster)")
-        return 0
-    hosts = args.host or (["localhost", "127.0.0.1"] if "controller" in args.role else [])
-    cert, key = issue(folder, args.name, [Role(r) for r in args.role], hosts, args.days)
+    try:
+        if args.certs_command == "init":
+            cert, key = init_ca(folder, args.name, args.days)
+            print(f"recover certs: created the CA {cert} (key {key}: keep it off the cluster)")
+            return 0
+        hosts = args.host or (["localhost", "127.0.0.1"] if "controller" in args.role else [])
+        bad = [host for host in hosts if not valid_host(host)]
+        if bad:
+            raise UsageError(f"recover certs: --host {bad[0]!r} is neither an IP address nor a "
+                             "DNS name")
+        cert, key = issue(folder, args.name, [Role(r) for r in args.role], hosts, args.days)
+    except OSError as exc:
+        raise UsageError(f"recover certs: {exc.filename or args.dir}: "
+                         f"{exc.strerror or exc}") from None
     print(f"recover certs: issued {cert} and {key} for {args.name} "
           f"(roles {', '.join(args.role)}{'; hosts ' + ', '.join(hosts) if hosts else ''})")
     return 0

@@ -35,6 +35,9 @@ from recover.cli.jobargs import UsageError
 from recover.client.jobsettings import BY_DEST, SETTINGS, Setting
 from recover.workloads.tinygpt import config as tinygpt
 
+MAX_JOB_FILE_BYTES = 1 << 20
+"""Settings, not data: anything larger is a mistake (a wrong path)."""
+
 
 def _keys(section: str) -> tuple[str, ...]:
     return tuple(s.file_key for s in SETTINGS if s.file_section == section)
@@ -67,7 +70,13 @@ def find_job_file(argv: list[str]) -> str | None:
 def load(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
     """Read `path` and check every value against `parser`'s flags: {dest: value}."""
     try:
-        data = tomllib.loads(Path(path).read_text())
+        file = Path(path)
+        if file.exists() and not file.is_file():  # a folder, a device, a pipe: never ends
+            raise UsageError(f"--job {path!r}: not a regular file")
+        if file.exists() and file.stat().st_size > MAX_JOB_FILE_BYTES:
+            raise UsageError(f"--job {path!r}: {file.stat().st_size} bytes; a job file is at "
+                             f"most {MAX_JOB_FILE_BYTES // 1024} KiB")
+        data = tomllib.loads(file.read_text())
     except FileNotFoundError:
         raise UsageError(f"--job {path!r}: no such file") from None
     except OSError as exc:

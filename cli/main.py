@@ -37,7 +37,7 @@ elif "GRPC_VERBOSITY" not in os.environ:
     os.environ["RECOVER_QUIETED_GRPC"] = "1"
 
 from recover.agent.restarts import RESTART_WINDOW_S
-from recover.cli import bench, certs, jobfile
+from recover.cli import bench, certs, export, jobfile
 from recover.cli.access import (
     add_operator_parsers,
     add_security_arguments,
@@ -186,6 +186,7 @@ def build_parser() -> Parser:
     verify.add_argument("--loss-rtol", type=float, default=0.0,
                         help="tolerated relative loss difference (default 0: exact)")
 
+    export.add_parser(sub)
     plot = sub.add_parser("plot", help="plot loss per step of runs (the first is the reference)")
     plot.add_argument("runs", nargs="+", help="run directories or summary.json files")
     plot.add_argument("--out", required=True, help="PNG file to write")
@@ -313,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
             from recover.cli import verify
 
             return verify.main(args.run_a, args.run_b, args.loss_rtol)
+        if args.command == "export":
+            return export.run(args)
         if args.command == "plot":
             from recover.cli import plot
 

@@ -156,6 +156,14 @@ def get_field(job: pb.JobConfig, path: str) -> Any:
     return value
 
 
+def _check_checkpoint_dir(value: str | None, args: argparse.Namespace) -> str | None:
+    if value is not None and not value.strip():
+        return "--checkpoint-dir is empty"
+    if value and os.path.exists(value) and not os.path.isdir(value):
+        return f"--checkpoint-dir {value!r} is a file, not a folder"
+    return None
+
+
 def _positive(flag: str, unit: str = "number") -> Check:
     return lambda value, args: None if 0 < value < math.inf else (
         f"{flag} must be a positive {unit}, got {value}")
@@ -291,8 +299,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("--checkpoint-dir", "checkpoint.dir", metavar="DIR",
             help="write checkpoints for total loss here (shared by the hosts), in the "
                  "background at committed steps",
-            check=lambda v, a: "--checkpoint-dir is empty" if v is not None and not v.strip()
-            else None,
+            check=_check_checkpoint_dir,
             to_proto=lambda v, a: {"checkpoint.dir": os.path.abspath(v)} if v else {}),
     Setting("--checkpoint-every", "checkpoint.every_steps", type=checkpoint_interval,
             metavar="N|Ns", needs="checkpoint_dir",

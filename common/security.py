@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import hmac
+import logging
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+
+log = logging.getLogger("recover.security")
 
 TOKEN_HEADER = "authorization"
 ENV = {"cert": "RECOVER_TLS_CERT", "key": "RECOVER_TLS_KEY", "ca": "RECOVER_TLS_CA",
@@ -145,7 +148,24 @@ class Token:
     subject: str
 
 
+def warn_if_readable_by_others(path: str) -> None:
+    """Tokens are passwords: say so when others than the owner can read the file (as ssh
+    does for keys; a warning, because a shared secret store may set its own modes)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    if mode & 0o077 and path not in _WARNED:
+        _WARNED.add(path)
+        log.warning("token file %s can be read by others than its owner (mode %o): "
+                    "chmod 600 it", path, mode & 0o777)
+
+
+_WARNED: set[str] = set()
+
+
 def read_tokens(path: str) -> list[Token]:
+    warn_if_readable_by_others(path)
     tokens = []
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         fields = line.split("#", 1)[0].split()
@@ -164,6 +184,7 @@ def read_tokens(path: str) -> list[Token]:
 
 
 def first_token(path: str) -> str:
+    warn_if_readable_by_others(path)
     for line in Path(path).read_text().splitlines():
         fields = line.split("#", 1)[0].split()
         if fields:

@@ -7,7 +7,8 @@ per-microbatch updates like gradients (``buffers="reduce"``, the default): after
 they are the same whoever computed which microbatch, so in exact mode the eval below gives
 the failure-free run's numbers through kills. ``--buffers local`` shows the alternative
 (each replica's own buffers, outside the guarantee). ``--eval-out FILE`` appends one JSON
-line per step (accuracy, eval loss, a digest of the buffers) from the first replica.
+line per step (accuracy, eval loss, a digest of the buffers) from the first replica;
+``--save FILE`` writes the final model's state_dict there, from the first replica.
 """
 
 import argparse
@@ -23,6 +24,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--width", type=int, default=8)
 parser.add_argument("--buffers", choices=["reduce", "local"], default="reduce")
 parser.add_argument("--eval-out", default="")
+parser.add_argument("--save", default="", help="write the final state_dict here")
 args = parser.parse_args()
 
 job = rt.init()
@@ -81,4 +83,6 @@ def evaluate(info: rt.StepInfo) -> None:
 result = rt.train(job, model, optimizer,
                   microbatches=rt.DatasetMicrobatches(train_set, microbatch_size=16),
                   loss_fn=loss_fn, on_step_committed=evaluate, buffers=args.buffers)
+if args.save and result.success and result.is_first_replica:  # exactly one replica saves
+    torch.save(model.state_dict(), args.save)
 raise SystemExit(0 if result.success else 1)

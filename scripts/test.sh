@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # Set up (first time) and run the whole test suite. Extra arguments go to pytest.
+#   scripts/test.sh --quick   the iteration tier (about 2 min on 2 cores): every in-process
+#                             test, and one real job with a kill in each phase of a step
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--quick" ]; then
+  shift
+  set -- tests/unit "tests/integration/test_recovery.py::test_a_kill_in_each_phase_of_a_step" "$@"
+fi
 bash scripts/setup.sh
 # Tests with real etcd need the etcd server (Debian package etcd-server); the
 # network-partition test needs `ip` (iproute2) and root.

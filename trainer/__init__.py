@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "Job": "api", "TrainResult": "api", "init": "api", "train": "api",
+    "Checkpoint": "checkpoint", "CheckpointError": "checkpoint", "load_checkpoint": "checkpoint",
     "WorkloadError": "errors",
     "EpochSampler": "sampling", "microbatch_seed": "sampling", "sample_digest": "sampling",
     "stable_seed": "sampling",
@@ -27,13 +28,16 @@ _EXPORTS = {
     "Stateful": "workload", "StepInfo": "workload",
 }
 __all__ = [
-    "DatasetMicrobatches", "EpochSampler", "FunctionMicrobatches", "Job", "MicrobatchSource",
+    "Checkpoint", "CheckpointError", "DatasetMicrobatches", "EpochSampler",
+    "FunctionMicrobatches", "Job", "MicrobatchSource",
     "Stateful", "StepInfo", "TokenFileDataset", "TrainResult", "WorkloadError", "init",
-    "microbatch_seed", "sample_digest", "stable_seed", "train", "write_token_file",
+    "load_checkpoint", "microbatch_seed", "sample_digest", "stable_seed", "train",
+    "write_token_file",
 ]
 
 if TYPE_CHECKING:
     from recover.trainer.api import Job, TrainResult, init, train
+    from recover.trainer.checkpoint import Checkpoint, CheckpointError, load_checkpoint
     from recover.trainer.errors import WorkloadError
     from recover.trainer.sampling import EpochSampler, microbatch_seed, sample_digest, stable_seed
     from recover.trainer.sources import DatasetMicrobatches, FunctionMicrobatches, MicrobatchSource

@@ -99,6 +99,10 @@ class TrainResult:
     reason: str
     steps_applied: int
     """Steps this replica applied (all of them unless it was lost)."""
+    is_first_replica: bool = False
+    """This replica was the first member at the last committed step: exactly one replica of
+    a job that succeeded is, so save the final model where this is true (a job with
+    `--checkpoint-dir` also writes a checkpoint of its last step)."""
 
 
 _job: Job | None = None
@@ -254,7 +258,8 @@ def train(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
         listener.close()
         channel.close()
     log.info("job ended: %s", shutdown.reason, extra={"replica": job.replica})
-    return TrainResult(shutdown.success, shutdown.reason, executor.steps_applied)
+    return TrainResult(shutdown.success, shutdown.reason, executor.steps_applied,
+                       executor.first_at_last_commit)
 
 
 def _check_state_travels(executor: StepExecutor) -> None:

@@ -14,15 +14,18 @@ that one skipped, not queued.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from recover.common import ckptfile
+from recover.common.ckptfile import CheckpointError
 from recover.proto import pb
 from recover.trainer.statewire import as_bytes, decode, empty_tensors, encode
 
@@ -128,3 +131,44 @@ def committed_digest(meta: pb.CheckpointMeta) -> str | None:
     digests = meta.ledger[-1].param_sha256
     own = [d.param_sha256 for d in digests if d.replica == meta.writer]
     return (own or [d.param_sha256 for d in digests] or [None])[0]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint as plain torch objects (`recover.trainer.load_checkpoint`)."""
+
+    path: Path
+    """The file it was read from."""
+    step: int
+    """Committed steps it holds: the state after step `step - 1`, before step `step`."""
+    job_id: str
+    model: dict[str, torch.Tensor]
+    """`model.state_dict()`: parameters and buffers, on the CPU (`model.load_state_dict`)."""
+    optimizer: dict[str, Any]
+    """`optimizer.state_dict()`."""
+    lr_scheduler: dict[str, Any] | None
+    """`lr_scheduler.state_dict()`, None when the job had none."""
+    extra: dict[str, Any]
+    """name -> `state_dict()` of what the job passed as `extra_state`."""
+
+
+def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """Read a checkpoint file, or the newest authentic one of a checkpoint folder, for use
+    outside ReCoVer (evaluation, export, fine-tuning). Every byte is authenticated with the
+    folder's key first (`checkpoint.key` beside the files: readable by its owner only), so a
+    planted or damaged file is refused; no pickle is involved. CheckpointError (a one-line
+    reason) when it cannot be used."""
+    where = Path(path)
+    if where.is_dir():
+        latest = ckptfile.latest(where)
+        for reason in latest.skipped:
+            log.warning("passed over: %s", reason)
+        where = latest.path
+    elif not where.exists():
+        raise CheckpointError(f"no checkpoint file or folder {str(where)!r}")
+    meta, state = load(str(where))
+    workload = state["workload"]
+    return Checkpoint(path=where, step=meta.step, job_id=meta.job.job_id,
+                      model=dict(workload["model"]), optimizer=workload["optimizer"],
+                      lr_scheduler=workload.get("lr_scheduler"),
+                      extra=dict(workload.get("extra", {})))

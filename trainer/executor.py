@@ -233,6 +233,7 @@ class StepExecutor(JoinSteps):
         self.accumulator.reset()
         member = commit_wait is not None
         first = member and bool(self.members) and self.replica == min(self.members)
+        self.first_at_last_commit = first
         record = pb.StepRecord()
         record.CopyFrom(step.record)
         if member:  # a joiner's record carries its donor's digest: the same bits
@@ -250,7 +251,7 @@ class StepExecutor(JoinSteps):
         self.state = StepState(step=step.step + 1)
         if first and self.checkpoints is not None:
             self.checkpoints.maybe_write(step.step + 1, lambda: self.training_state(False),
-                                         self.ledger, force=checkpoint_now)
+                                         self.ledger, force=checkpoint_now or final)
             if final:
                 self.checkpoints.close(FINAL_WRITE_WAIT_S)
         if member and final:

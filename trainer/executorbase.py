@@ -59,6 +59,8 @@ class ExecutorBase(ABC):
         self.state = StepState(step=first_step)
         self.finished = False
         self.steps_applied = 0
+        self.first_at_last_commit = False
+        """This replica was the first member at the last step it committed."""
         self._reported_at = 0.0
         self.listener = listener
         """Where a donor's state arrives when this replica joins a running job."""

@@ -9,7 +9,10 @@ interleaved so that load drifts hit all of them:
 * `spare`: the same with `--spares 1`: the warm spare is promoted, the
   restarted worker then joins as the next spare;
 * `ref`: failure-free, 4 replicas (the step time a join should not disturb,
-  and the parameters every other run of its seed must match bitwise).
+  and the parameters every other run of its seed must match bitwise);
+* `kill-cold` (with `--cold-too`): each `kill` run again right after it, with
+  `--cold-start`, so the warm restart (workers forked from the agent's warm
+  interpreter) and the cold one (a fresh process importing torch) are compared side by side.
 
 Latencies come from the controller's events (OUT/logs/controller.log), step
 times from summary.json's `committed_at_s_per_step`. The events do not split
@@ -20,6 +23,7 @@ share. On this machine the joiner shares the 2 cores with the survivors, so
 the 3-replica steps before the join already pay for its process start.
 
     python bench/scripts/rejoin.py --out bench/results/rejoin     # ~7-9 min
+    python bench/scripts/rejoin.py --runs 6 --spare-runs 0 --refs 2 --cold-too --out bench/results/rejoin-warm
 """
 
 from __future__ import annotations
@@ -47,8 +51,10 @@ SPARE_KILL_STEPS = [40, 30, 50]
 STALL_TARGET = 1.10
 
 
-def schedule(runs: int, spare_runs: int, refs: int) -> list[tuple[str, int, int | None]]:
-    """(kind, seed, kill step), interleaved: refs spread out, a spare run after each kill run."""
+def schedule(runs: int, spare_runs: int, refs: int,
+             cold_too: bool = False) -> list[tuple[str, int, int | None]]:
+    """(kind, seed, kill step), interleaved: refs spread out, a spare run after each kill run
+    (and its cold twin right after it with `cold_too`)."""
     plan: list[tuple[str, int, int | None]] = []
     ref_at = {round(i * max(runs, spare_runs) / max(refs, 1)) for i in range(refs)}
     for i in range(max(runs, spare_runs)):
@@ -56,6 +62,8 @@ def schedule(runs: int, spare_runs: int, refs: int) -> list[tuple[str, int, int 
             plan.append(("ref", 1 + sum(p[0] == "ref" for p in plan) % 2, None))
         if i < runs:
             plan.append(("kill", 1 + i % 2, KILL_STEPS[i % len(KILL_STEPS)]))
+            if cold_too:
+                plan.append(("kill-cold", 1 + i % 2, KILL_STEPS[i % len(KILL_STEPS)]))
         if i < spare_runs:
             plan.append(("spare", 2 - i % 2, SPARE_KILL_STEPS[i % len(SPARE_KILL_STEPS)]))
     return plan
@@ -122,7 +130,7 @@ def analyse(summary: dict[str, Any], evs: list[Event], kind: str, kill: int | No
             res["transfer_bytes"] = nbytes
             res["transfer_s"] = round(nbytes / (rate * 1e6), 5) if rate else secs
         res["join_started_to_transfer_reported_s"] = since(xfer, js)
-    if kind == "kill":
+    if kind in ("kill", "kill-cold"):
         joined = first(evs, "replica-joined", replica=joiner)
         res["transfer_end_to_joined_s"] = since(joined, xfer)
         res["kill_to_joined_s"] = since(joined, kill_ts)
@@ -176,16 +184,21 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--import-probes", type=int, default=1, help="after each run")
     parser.add_argument("--keep-runs", action="store_true", help="keep each run's folder")
+    parser.add_argument("--cold-too", action="store_true",
+                        help="repeat each kill run with --cold-start, side by side")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env_before = environment()
     runs: list[dict[str, Any]] = []
     probes: list[float] = []
-    for i, (kind, seed, kill) in enumerate(schedule(args.runs, args.spare_runs, args.refs)):
+    for i, (kind, seed, kill) in enumerate(schedule(args.runs, args.spare_runs, args.refs,
+                                                    args.cold_too)):
         job = [*JOB, "--steps", str(args.steps), "--seed", str(seed)]
         if kind == "spare":
             job += ["--spares", "1"]
+        if kind == "kill-cold":
+            job += ["--cold-start"]
         if kill is not None:
             job += ["--kill", f"step={kill},replica=1,phase=backward"]
         run_dir = out / f"run-{i:02d}-{kind}"
@@ -205,13 +218,18 @@ def main() -> int:
     for r in runs:
         digests = r.pop("param_sha256_per_step")
         r["bitwise_equal_to_ref"] = digests == refs[r["seed"]] if r["seed"] in refs else None
-    by = {k: [r for r in runs if r["kind"] == k] for k in ("kill", "spare", "ref")}
+    by = {k: [r for r in runs if r["kind"] == k] for k in ("kill", "kill-cold", "spare", "ref")}
 
     def col(kind: str, key: str, sub: str | None = None) -> dict[str, Any]:
         vals = [(r.get(key) or {}).get(sub) if sub else r.get(key) for r in by[kind]]
         return spread([v for v in vals if v is not None])
 
-    agg = {"kill": {k: col("kill", k) for k in (
+    kill_keys = ("detect_s", "kill_to_restart_s", "restart_to_ready_s", "ready_to_join_started_s",
+                 "join_started_to_transfer_reported_s", "transfer_s", "transfer_bytes",
+                 "transfer_end_to_joined_s", "kill_to_joined_s", "median3_s", "median4_s",
+                 "entry_vs_median4", "calm3_over_target")
+    agg = {"kill-cold": {k: col("kill-cold", k) for k in kill_keys},
+           "kill": {k: col("kill", k) for k in (
         "detect_s", "kill_to_restart_s", "restart_to_ready_s", "ready_to_join_started_s",
         "join_started_to_transfer_reported_s", "transfer_s", "transfer_bytes",
         "transfer_end_to_joined_s", "kill_to_joined_s", "median3_s", "median4_s",
@@ -230,6 +248,8 @@ def main() -> int:
         "runs_compared_to_ref": sum(r["bitwise_equal_to_ref"] is not None for r in runs),
         "all_bitwise_equal_to_ref": all(r["bitwise_equal_to_ref"] is not False for r in runs),
         "import_probe_s": spread(probes, 3)}
+    warm_s, cold_s = (agg[k]["kill_to_joined_s"]["median"] for k in ("kill", "kill-cold"))
+    agg["kill_to_joined_cold_over_warm"] = round(cold_s / warm_s, 2) if warm_s and cold_s else None
     worst = agg["kill"]["join_window_worst_ratio"]["max"]
     agg["target_worst_step_le_1_10_met"] = worst is not None and worst <= STALL_TARGET
     result = {"benchmark": "rejoin", "job_args": JOB, "steps": args.steps, "runs": runs,
@@ -239,6 +259,10 @@ def main() -> int:
     print("\n| quantity (kill runs) | median | min | max | n |\n|---|---|---|---|---|")
     for name, s in agg["kill"].items():
         print(f"| {name} | {s['median']} | {s['min']} | {s['max']} | {s['n']} |")
+    for name, s in agg["kill-cold"].items() if by["kill-cold"] else ():
+        print(f"| cold: {name} | {s['median']} | {s['min']} | {s['max']} | {s['n']} |")
+    if agg["kill_to_joined_cold_over_warm"] is not None:
+        print(f"kill -> joined, cold / warm (medians): {agg['kill_to_joined_cold_over_warm']}x")
     for name, s in [*agg["spare"].items(), ("ref median4_s", agg["ref"]["median4_s"])]:
         print(f"| spare/ref: {name} | {s['median']} | {s['min']} | {s['max']} | {s['n']} |")
     print(f"steps short of M: {agg['steps_short_of_m_total']}; all committed: "

@@ -167,7 +167,10 @@ def test_no_process_of_the_job_outlives_its_launcher(tmp_path: Path) -> None:
                             and (out / "controller.port").read_text(), 60, f"{how}: the controller")
             wait_for(lambda port=port: (s := status(f"127.0.0.1:{port}")) is not None
                      and s.steps_committed >= 2, 90, f"{how}: training")
-            assert len(job_processes(str(out))) >= 4, how  # launcher, controller, 2 agents
+            lines = job_processes(str(out))
+            assert len(lines) >= 4, how  # launcher, controller, 2 agents
+            # ...and each agent's warm interpreter, whose forked workers share its command line
+            assert sum("recover.agent.zygote" in line for line in lines) >= 2, (how, lines)
             with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
                 events = rpc.ControlStub(channel).Events(pb.EventsRequest(), timeout=2).events
             workers[how] = [int(e.message.split()[1].rstrip(",")) for e in events

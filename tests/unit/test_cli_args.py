@@ -396,3 +396,38 @@ def test_new_flags_usage_errors_exit_2_with_one_line(capsys, tmp_path, command, 
     assert code == 2
     assert out == ""
     assert_one_line(err, phrase)
+
+
+@pytest.mark.parametrize(("argv", "phrase"), [
+    (["certs", "init", "FILE"], "recover certs: 'FILE' is a file, not a folder"),
+    (["certs", "init", "DIR/ca", "--days", "99999999"], "--days must be 1..36500, got 99999999"),
+    (["certs", "issue", "DIR/ca", "c1", "--role", "controller", "--host", "not a host!"],
+     "--host 'not a host!' is neither an IP address nor a DNS name"),
+    (["certs", "token", "--subject", "two words"], "--subject 'two words': one word"),
+    (["stop", "--timeout", "-1"], "--timeout: must be a positive number of seconds"),
+    (["drain", "host0", "--timeout", "0"], "--timeout: must be a positive number of seconds"),
+    (["run", "--job", "/dev/urandom"], "--job '/dev/urandom': not a regular file"),
+    (["run", "--job", "DIR"], "not a regular file"),
+    (["run", "--checkpoint-dir", "FILE"], "--checkpoint-dir 'FILE' is a file, not a folder"),
+    (["controller", "--checkpoint-dir", "FILE"], "--checkpoint-dir 'FILE' is a file, not a folder"),
+], ids=lambda value: value if isinstance(value, str) else None)
+def test_inputs_that_used_to_hang_or_trace_back_are_one_line(capsys, tmp_path, argv, phrase):
+    """Issue 22 point 5: each of these hung, printed a traceback or was accepted."""
+    file = tmp_path / "a-file"
+    file.write_text("")
+    main(["certs", "init", str(tmp_path / "ca")])  # the CA that `issue` signs with
+    capsys.readouterr()
+    argv = [a.replace("FILE", str(file)).replace("DIR", str(tmp_path)) for a in argv]
+    if argv[0] == "run":
+        argv += ["--out", str(tmp_path / "out"), "--quiet"]
+    code, out, err = run_main(capsys, argv)
+    assert code == 2 and out == ""
+    assert_one_line(err, phrase.replace("FILE", str(file)).replace("DIR", str(tmp_path)))
+
+
+def test_a_job_file_larger_than_settings_can_be_is_refused(capsys, tmp_path):
+    big = tmp_path / "job.toml"
+    big.write_text("# padding\n" * 200_000)
+    code, _, err = run_main(capsys, ["run", "--job", str(big), "--out", str(tmp_path / "o")])
+    assert code == 2
+    assert_one_line(err, "a job file is at most 1024 KiB")

@@ -126,3 +126,16 @@ def test_identify_by_certificate_token_or_both(ca: Path, tmp_path: Path) -> None
     assert not isinstance(identity, str)
     assert (identity.subject, identity.roles, identity.proof) == (
         "alice", {Role.READER}, "certificate+token")
+
+
+def test_a_token_file_others_can_read_is_warned_about_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    private, shared = tmp_path / "private", tmp_path / "shared"
+    for path, mode in ((private, 0o600), (shared, 0o644)):
+        path.write_text("secret-token reader alice\n")
+        path.chmod(mode)
+    with caplog.at_level("WARNING", logger="recover.security"):
+        assert read_tokens(str(private)) and read_tokens(str(shared)) and read_tokens(str(shared))
+    warnings = [r.getMessage() for r in caplog.records]
+    assert warnings == [f"token file {shared} can be read by others than its owner (mode 644): "
+                        "chmod 600 it"]
