@@ -250,10 +250,11 @@ class Agent:
         log.info("%s", decision.reason)
         if decision.target is None:
             return
-        log_dir = self.config.log_dir
-        self._warm = WarmStarter(decision.target, base_environment(),
-                                 Path(log_dir) / f"warm-{self.config.agent_id}.log"
-                                 if log_dir else None)
+        log_path = None
+        if self.config.log_dir:
+            log_path = Path(self.config.log_dir) / f"warm-{self.config.agent_id}.log"
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._warm = WarmStarter(decision.target, base_environment(), log_path)
         await self._warm.start()
 
     async def _spawn(self, slot: int, replica: int) -> None:

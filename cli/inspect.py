@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Iterable
 
 import grpc
 from google.protobuf.json_format import MessageToDict
@@ -31,8 +32,14 @@ def to_json(message: Message) -> str:
     return json.dumps({k: fix(v, k) for k, v in raw.items()})
 
 
+def format_load(load: Iterable[pb.ReplicaLoad]) -> str:
+    """replica:quota@measured time per microbatch, e.g. `0:5@100ms 2:2@200ms`."""
+    return " ".join(f"{entry.replica}:{entry.microbatches}" + (
+        f"@{entry.microbatch_s * 1000:.0f}ms" if entry.microbatch_s else "") for entry in load)
+
+
 def format_status(status: pb.JobStatus) -> str:
-    load = " ".join(f"{entry.replica}:{entry.microbatches}" for entry in status.load)
+    load = format_load(status.load)
     lines = [
         *([f"leader      {status.leader} (term {status.term})"] if status.leader else []),
         f"job         {status.job_id}",
@@ -42,7 +49,7 @@ def format_status(status: pb.JobStatus) -> str:
         f"replicas    {len(status.live_replicas)} live {list(status.live_replicas)} "
         f"on {status.agents} agents" + (f", joining {list(status.joining)}" if status.joining
                                         else ""),
-        f"plan        {load or '-'} (replica:microbatches)",
+        f"plan        {load or '-'} (replica:microbatches@measured time per microbatch)",
         f"recoveries  {status.recoveries}",
         f"loss        {status.last_loss:.4f}",
         f"tokens      {status.tokens}",

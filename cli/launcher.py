@@ -19,7 +19,7 @@ from typing import IO
 
 import grpc
 
-from recover.cli.inspect import format_event
+from recover.cli.inspect import format_event, format_load
 from recover.cli.jobargs import UsageError, job_from_args
 from recover.cli.localtls import local_tls
 from recover.cli.preflight import check_out, check_store
@@ -136,7 +136,7 @@ class Progress:
     def status(self, status: pb.JobStatus) -> None:
         if not self.enabled or status.state == "waiting":
             return
-        load = " ".join(f"{e.replica}:{e.microbatches}" for e in status.load)
+        load = format_load(status.load)
         joining = f"+{len(status.joining)} joining  " if status.joining else ""
         line = (f"step {status.steps_committed}/{status.steps_total}  loss {status.last_loss:.4f}"
                 f"  gen {status.generation}  live {len(status.live_replicas)}  {joining}"

@@ -81,6 +81,11 @@ class Security:
     def enabled(self) -> bool:
         return self.tls or bool(self.token_file)
 
+    @property
+    def authenticates_clients(self) -> bool:
+        """A server with these settings knows who calls: client certificates (a CA) or tokens."""
+        return bool(self.ca) or bool(self.token_file)
+
     def describe(self) -> str:
         parts = []
         if self.cert and self.ca:
@@ -146,6 +151,22 @@ class Token:
     """sha256 of the token: compared in constant time, never the token itself."""
     roles: frozenset[Role]
     subject: str
+
+
+def exposure(security: Security, loopback: bool) -> str:
+    """What a controller listening with `security` leaves open to whoever reaches its port
+    (empty: nothing worth a warning). Loopback is this machine's own business."""
+    if loopback or (security.tls and security.authenticates_clients):
+        return ""
+    if not security.enabled:
+        return ("without TLS or a token: anyone who reaches it can act as an agent or an "
+                "operator and read the job (see README \"Securing a cluster\")")
+    if not security.tls:
+        return ("with tokens but without TLS: tokens and the job's messages cross the network "
+                "in the clear (see README \"Securing a cluster\")")
+    return ("with TLS but neither --tls-ca nor a token: the channel is encrypted, yet anyone "
+            "who reaches it can act as an agent or an operator (see README \"Securing a "
+            "cluster\")")
 
 
 def warn_if_readable_by_others(path: str) -> None:

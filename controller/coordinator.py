@@ -150,9 +150,14 @@ class Coordinator:
 
     # ------------------------------------------------------------ running transitions
 
-    def _draft(self) -> Draft:
+    def speeds(self) -> Speeds:
+        """Measured seconds per microbatch of each replica measured so far (a snapshot)."""
         if self._speeds is None:
             self._speeds = self.throughput.snapshot()
+        return self._speeds
+
+    def _draft(self) -> Draft:
+        self.speeds()
         # A quota policy plans from measured speeds and, for its hysteresis, the plan the
         # workers hold; a policy that plans by counts alone ignores both.
         plans = self.policy.with_measurements(self._speeds, self.view.plan)

@@ -12,7 +12,8 @@ walks the coordinator's state. Names (all prefixed `recover_`):
 | `recover_microbatches_committed_total` | counter | microbatches in committed steps |
 | `recover_tokens_committed_total` | counter | tokens in committed steps |
 | `recover_tokens_per_second` | gauge | tokens/s over the last 10 committed steps |
-| `recover_microbatches_planned` | gauge, by replica | microbatches of the current plan per replica |
+| `recover_microbatches_planned` | gauge, by replica | microbatches per replica in the current plan (quota) |
+| `recover_microbatch_seconds` | gauge, by replica | measured seconds per microbatch (median of 5 steps) |
 | `recover_failures_total` | counter, by cause | replica failures (injected, external, watchdog, agent-lost) |
 | `recover_recoveries_total` | counter | generations made to recover from failures |
 | `recover_recovery_seconds` | histogram, by phase | detect, plan, rebuild, recompute, commit |
@@ -85,6 +86,12 @@ class ControllerCollector(Collector):
         for replica, ids in sorted(c.plan.items()):
             planned.add_metric([str(replica)], len(ids))
         yield planned
+        speeds = GaugeMetricFamily("recover_microbatch_seconds",
+                                   "Measured seconds per microbatch (what quota policies plan "
+                                   "from)", labels=["replica"])
+        for replica, seconds in c.speeds().items():
+            speeds.add_metric([str(replica)], seconds)
+        yield speeds
         failures = CounterMetricFamily("recover_failures", "Replica failures by cause",
                                        labels=["cause"])
         for cause, count in sorted(Counter(f.cause for f in c.failures).items()):

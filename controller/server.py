@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from recover.common import ckptfile
 from recover.common.netaddr import is_loopback
-from recover.common.security import Authenticator, Security, server_credentials
+from recover.common.security import Authenticator, Security, exposure, server_credentials
 from recover.controller.coordinator import Coordinator, JobState
 from recover.controller.gate import Gate, add_service
 from recover.controller.leader import ElectionConfig, LeaderElection, LeaderStore, LostLeadership
@@ -114,9 +114,9 @@ async def serve(config: ControllerConfig, job: pb.JobConfig) -> int:
                 else server.add_insecure_port(listen))
     except RuntimeError as exc:
         raise OSError(f"cannot listen on {listen}: {exc}") from None
-    if not security.enabled and not is_loopback(config.host):
-        log.warning("listening on %s without TLS or a token: anyone who reaches it can act as "
-                    "an agent or read the job (see README \"Securing a cluster\")", listen)
+    exposed = exposure(security, is_loopback(config.host))
+    if exposed:
+        log.warning("listening on %s %s", listen, exposed)
     await server.start()
     address = config.advertise or f"{config.host}:{port}"
     election = LeaderElection(store, job.job_id, address, config.controller_id or

@@ -672,12 +672,14 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaLoad(_message.Message):
-    __slots__ = ("replica", "microbatches")
+    __slots__ = ("replica", "microbatches", "microbatch_s")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_S_FIELD_NUMBER: _ClassVar[int]
     replica: int
     microbatches: int
-    def __init__(self, replica: _Optional[int] = ..., microbatches: _Optional[int] = ...) -> None: ...
+    microbatch_s: float
+    def __init__(self, replica: _Optional[int] = ..., microbatches: _Optional[int] = ..., microbatch_s: _Optional[float] = ...) -> None: ...
 
 class JobStatus(_message.Message):
     __slots__ = ("state", "reason", "generation", "steps_committed", "steps_total", "live_replicas", "load", "recoveries", "last_loss", "tokens", "elapsed_s", "agents", "job_id", "redos", "role", "term", "leader", "joining")

@@ -80,3 +80,29 @@ def test_a_lost_members_microbatches_go_where_they_finish_earliest():
     assert set(after) == {0, 1} and after[0][:len(before[0])] == before[0]
     assert gained[0] > gained[1]  # the fast survivor takes most of the lost share
     assert sorted(mb for ids in after.values() for mb in ids) == list(range(12))
+
+
+def test_quotas_and_measured_speeds_are_visible_in_status_and_metrics():
+    from recover.cli.inspect import format_status
+    from recover.controller.metrics import ControllerCollector
+    from recover.controller.service import job_status
+
+    async def body():
+        job = make_job(replicas=4, steps=6, m=16)
+        job.policy = "proportional"
+        h = Harness(job)
+        await h.start()
+        await train(h, 2, {0: 0.1, 1: 0.1, 2: 0.2, 3: 0.1})
+        return h
+
+    h = asyncio.run(body())
+    status = job_status(h.coord)
+    assert [(e.replica, e.microbatches, e.microbatch_s) for e in status.load] == [
+        (0, 5, 0.1), (1, 5, 0.1), (2, 2, 0.2), (3, 4, 0.1)]
+    assert "plan        0:5@100ms 1:5@100ms 2:2@200ms 3:4@100ms" in format_status(status)
+    metrics = {m.name: m for m in ControllerCollector(h.coord).collect()}
+    samples = {s.labels["replica"]: s.value for s in metrics["recover_microbatch_seconds"].samples}
+    assert samples == {"0": 0.1, "1": 0.1, "2": 0.2, "3": 0.1}
+    quotas_metric = {s.labels["replica"]: s.value
+                     for s in metrics["recover_microbatches_planned"].samples}
+    assert quotas_metric == {"0": 5, "1": 5, "2": 2, "3": 4}

@@ -18,6 +18,7 @@ from recover.common.security import (
     Security,
     SecurityError,
     certificate_identity,
+    exposure,
     from_values,
     match_token,
     read_tokens,
@@ -139,3 +140,19 @@ def test_a_token_file_others_can_read_is_warned_about_once(
     warnings = [r.getMessage() for r in caplog.records]
     assert warnings == [f"token file {shared} can be read by others than its owner (mode 644): "
                         "chmod 600 it"]
+
+
+@pytest.mark.parametrize(("security", "loopback", "phrase"), [
+    (Security(), True, ""),
+    (Security(), False, "without TLS or a token: anyone who reaches it can act as an agent"),
+    (Security(token_file="t"), False, "with tokens but without TLS: tokens and the job's "
+                                      "messages cross the network in the clear"),
+    (Security(cert="c", key="k"), False, "with TLS but neither --tls-ca nor a token"),
+    (Security(cert="c", key="k"), True, ""),
+    (Security(cert="c", key="k", ca="a"), False, ""),
+    (Security(cert="c", key="k", token_file="t"), False, ""),
+])
+def test_what_a_controller_leaves_open_is_one_warning(security: Security, loopback: bool,
+                                                      phrase: str) -> None:
+    warning = exposure(security, loopback)
+    assert (phrase in warning) if phrase else warning == ""
