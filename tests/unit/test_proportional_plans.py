@@ -29,6 +29,15 @@ async def train(h: Harness, steps: int,
     return [(plan_dict(p), p.reason) for _, p in sorted(by_step.items())]
 
 
+async def started(replicas: int = 4, m: int = 16, steps: int = 6) -> Harness:
+    """A started in-process coordinator of a job with `--policy proportional`."""
+    job = make_job(replicas=replicas, steps=steps, m=m)
+    job.policy = "proportional"
+    h = Harness(job)
+    await h.start()
+    return h
+
+
 def quotas(plan: dict[int, tuple[int, ...]]) -> dict[int, int]:
     assert sorted(mb for ids in plan.values() for mb in ids) == list(range(16))
     return {r: len(ids) for r, ids in plan.items()}
@@ -36,10 +45,7 @@ def quotas(plan: dict[int, tuple[int, ...]]) -> dict[int, int]:
 
 def test_a_replica_twice_as_slow_gets_half_the_share_and_equal_ones_stay_uniform():
     async def body():
-        job = make_job(replicas=4, steps=6, m=16)
-        job.policy = "proportional"
-        h = Harness(job)
-        await h.start()
+        h = await started()
         first = quotas(dict(h.coord.plan))  # nobody measured yet: uniform
         return first, await train(h, 5, {0: 0.1, 1: 0.1, 2: 0.2, 3: 0.1})
 
@@ -54,10 +60,7 @@ def test_a_replica_twice_as_slow_gets_half_the_share_and_equal_ones_stay_uniform
 
 def test_equal_replicas_with_noise_keep_the_uniform_plan():
     async def body():
-        job = make_job(replicas=4, steps=6, m=16)
-        job.policy = "proportional"
-        h = Harness(job)
-        await h.start()
+        h = await started()
         return await train(h, 5, {0: 0.100, 1: 0.103, 2: 0.098, 3: 0.101})
 
     plans = asyncio.run(body())
@@ -66,10 +69,7 @@ def test_equal_replicas_with_noise_keep_the_uniform_plan():
 
 def test_a_lost_members_microbatches_go_where_they_finish_earliest():
     async def body():
-        job = make_job(replicas=3, steps=10, m=12)
-        job.policy = "proportional"
-        h = Harness(job)
-        await h.start()
+        h = await started(replicas=3, m=12, steps=10)
         await train(h, 3, {0: 0.1, 1: 0.3, 2: 0.1})  # replica 1 measured 3x slower
         before = dict(h.coord.plan)
         await h.coord.worker_exited(pb.WorkerExited(replica=2, signal=9))
@@ -88,10 +88,7 @@ def test_quotas_and_measured_speeds_are_visible_in_status_and_metrics():
     from recover.controller.service import job_status
 
     async def body():
-        job = make_job(replicas=4, steps=6, m=16)
-        job.policy = "proportional"
-        h = Harness(job)
-        await h.start()
+        h = await started()
         await train(h, 2, {0: 0.1, 1: 0.1, 2: 0.2, 3: 0.1})
         return h
 
