@@ -69,15 +69,16 @@ def test_buffers_and_eval_are_bitwise_through_kills_in_every_phase_and_a_resume(
     # checkpoints every step give the resume its starting point after the total loss.
     slow = ["--compute-ms", "50", "--checkpoint-dir", str(tmp_path / "ckpt"),
             "--checkpoint-every", "1"]
-    lost = run_recover(tmp_path / "killed", *ARGS, *slow,
+    # No restarts: a warm restart is back within a second, and this run must lose them all.
+    lost = run_recover(tmp_path / "killed", *ARGS, *slow, "--max-restarts", "0",
                        *[part for kill in KILLS for part in ("--kill", kill)],
-                       *script(tmp_path / "killed.jsonl"), timeout=240)
+                       *script(tmp_path / "killed.jsonl", tmp_path / "resumed.pt"), timeout=240)
     assert lost.returncode != 0 and "all replicas lost" in lost.stdout + lost.stderr, lost.stderr
     assert [f["phase"] for f in lost.summary["failures"]] == ["forward", "backward", "reduce",
                                                               "commit"]
     resumed = run_recover(tmp_path / "resumed", *ARGS, *slow, "--resume", str(tmp_path / "ckpt"),
                           *script(tmp_path / "killed.jsonl", tmp_path / "resumed.pt"),
-                          timeout=240)  # the same command, with a place for the final model
+                          timeout=240)  # the same command (a resume refuses another)
     assert resumed.returncode == 0, resumed.stderr
     assert_bitwise_identical(resumed.summary, reference.summary)
     killed_steps = lost.summary["param_sha256_per_step"][:7]  # applied before the total loss
