@@ -23,11 +23,13 @@ import grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
 from recover.agent import fencing
+from recover.agent.attached import AttachedProcess, write_attach_file
 from recover.agent.link import LinkError, Session, close_session, open_session
 from recover.agent.local import WorkerChannelService
 from recover.agent.metrics import AgentCollector
 from recover.agent.restarts import RESTART_WINDOW_S, decide_restart, recent_restarts
 from recover.agent.warmstart import WarmStarter, decide_warm_start
+from recover.agent.watchdog import watch_for_hangs
 from recover.agent.workers import (
     WorkerProcess,
     base_environment,
@@ -36,14 +38,11 @@ from recover.agent.workers import (
     spawn_worker,
     stop_workers,
 )
-from recover.common import progress
 from recover.common.netaddr import local_address_towards
 from recover.common.security import Security
 from recover.proto import pb, rpc
 
 log = logging.getLogger("recover.agent")
-CONFIRM_HANG_S = 0.02
-"""Pause before re-reading a hung-looking worker's progress file to confirm the verdict."""
 RETRY_REQUEST_S = 1.0
 """Pause before asking again for a replica the controller could not grant yet (a takeover)."""
 
@@ -87,6 +86,11 @@ class AgentConfig:
     """Restarts older than this no longer count against a slot."""
     security: Security = Security()
     """Credentials towards the controller (TLS, a client certificate, a token)."""
+    attach_pid: int | None = None
+    """Instead of spawning a worker, adopt this process (the single-process mode: the user's
+    `python train.py` runs the job's one replica itself; trainer/standalone.py)."""
+    attach_file: str | None = None
+    """With `attach_pid`: where the attached process reads its identity (agent/attached.py)."""
     warm_start: bool = True
     """Fork workers from a warm interpreter that has imported torch once (see
     recover.agent.zygote) when the command is `python SCRIPT` or `python -m MODULE`;
@@ -189,7 +193,7 @@ class Agent:
                 # Heartbeats first: the first spawn may wait seconds for the warm
                 # interpreter's imports on a busy host.
                 self._tasks += [asyncio.create_task(self._heartbeat()),
-                                asyncio.create_task(self._watchdog(registered.job))]
+                                asyncio.create_task(watch_for_hangs(self.workers, registered.job))]
                 for slot, replica in enumerate(registered.replica_ids):
                     await self._spawn(slot, replica)
                 while not await self._pump(session):
@@ -245,6 +249,8 @@ class Agent:
         return command
 
     async def _start_warm(self) -> None:
+        if self.config.attach_pid is not None:
+            return
         decision = decide_warm_start(resolve_command(self._worker_command()), sys.executable,
                                      self.config.warm_start)
         log.info("%s", decision.reason)
@@ -261,6 +267,9 @@ class Agent:
         """Start the worker of `replica` on `slot` and watch it."""
         log_dir = Path(self.config.log_dir) if self.config.log_dir else None
         command = self._worker_command()
+        if self.config.attach_pid is not None:
+            self._adopt(slot, replica, self.config.attach_pid)
+            return
         try:
             worker = await spawn_worker(
                 command, replica=replica, slot=slot, agent_id=self.config.agent_id,
@@ -281,6 +290,18 @@ class Agent:
         log.info("spawned worker pid %d on slot %d%s", worker.pid, slot,
                  " (forked warm)" if worker.warm else "",
                  extra={"replica": replica})
+
+    def _adopt(self, slot: int, replica: int, pid: int) -> None:
+        """The attached process becomes this slot's worker; it learns so from the attach file."""
+        process = AttachedProcess(pid)
+        worker = WorkerProcess(replica, slot, process)
+        self.workers[replica] = worker
+        self._tasks.append(asyncio.create_task(self._watch(worker)))
+        if process.watch() and self.config.attach_file:
+            write_attach_file(Path(self.config.attach_file), replica=replica, slot=slot,
+                              agent_address=self._channel_address,
+                              transfer_host=self._transfer_host)
+        log.info("attached process %d on slot %d", pid, slot, extra={"replica": replica})
 
     async def _watch(self, worker: WorkerProcess) -> None:
         returncode = await worker.process.wait()
@@ -306,40 +327,6 @@ class Agent:
             self.restarts[worker.slot] = [*times, now]
             await self._request_replica(worker.slot, f"replica {worker.replica} exited",
                                         decision.delay_s)
-
-    async def _watchdog(self, job: pb.JobConfig) -> None:
-        """Kill workers that stopped making progress; their exit is then a plain crash."""
-        timeout_s = job.hang_timeout_s or 2.0
-        factor = job.hang_factor or 10.0
-        first_grace_s = job.first_microbatch_grace_s or progress.FIRST_MICROBATCH_GRACE_S
-        while True:
-            await asyncio.sleep(progress.BEAT_PERIOD_S)
-            for worker in list(self.workers.values()):
-                if worker.process.returncode is not None or worker.killed_by_agent:
-                    continue
-                verdict = await self._hang_verdict(worker, timeout_s, factor, first_grace_s)
-                if verdict is not None and verdict.hung:
-                    worker.killed_by_agent = f"watchdog: {verdict.reason}"
-                    log.warning("killing hung worker: %s", verdict.reason,
-                                extra={"replica": worker.replica})
-                    worker.kill()
-
-    @staticmethod
-    async def _hang_verdict(worker: WorkerProcess, timeout_s: float, factor: float,
-                            first_grace_s: float) -> progress.HangVerdict | None:
-        """The watchdog's verdict on one worker, a hung one confirmed on a second read:
-        a kill cannot be undone, a misread file can."""
-        for attempt in range(2):
-            if attempt:
-                await asyncio.sleep(CONFIRM_HANG_S)
-            snapshot = progress.read(worker.progress_path) if worker.progress_path else None
-            if snapshot is None or worker.process.returncode is not None:
-                return None
-            verdict = progress.judge(snapshot, time.monotonic(), timeout_s, factor,
-                                     first_grace_s)
-            if not verdict.hung:
-                return verdict
-        return verdict
 
     async def _heartbeat(self) -> None:
         while True:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from recover.agent.attached import AttachedProcess
 from recover.agent.warmstart import ForkedProcess, WarmStarter
 from recover.common import progress
 from recover.proto import pb
@@ -20,7 +21,7 @@ from recover.proto import pb
 class WorkerProcess:
     replica: int
     slot: int
-    process: asyncio.subprocess.Process | ForkedProcess
+    process: asyncio.subprocess.Process | ForkedProcess | AttachedProcess
     log_file: IO[bytes] | None = None
     fault: pb.FaultNote | None = None
     """What the worker said about the fault it injected into itself, if any."""
@@ -45,7 +46,10 @@ class WorkerProcess:
         return isinstance(self.process, ForkedProcess)
 
     def kill_group(self) -> None:
-        """SIGKILL what is left of the worker's process group once the worker is gone."""
+        """SIGKILL what is left of the worker's process group once the worker is gone (not
+        for an attached process: its group is its user's shell job)."""
+        if isinstance(self.process, AttachedProcess):
+            return
         try:
             os.killpg(self.process.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -54,6 +58,8 @@ class WorkerProcess:
     def kill(self) -> None:
         """SIGKILL the worker's whole process group: a wrapper between the agent and the
         training process (`-- ./train.sh`, `uv run ...`) must not leave it behind."""
+        if isinstance(self.process, AttachedProcess):
+            return  # the user's own process: never killed (AttachedProcess.kill says why)
         try:
             os.killpg(self.process.pid, signal.SIGKILL)
         except ProcessLookupError:

@@ -35,6 +35,9 @@ from dataclasses import dataclass
 
 from recover.common.lifetime import die_with_parent
 
+PRELOAD_ENV = "RECOVER_PRELOAD"
+"""Comma-separated modules of the user's to import too (e.g. transformers): a worker's own
+heavy imports, paid once per agent instead of once per worker and restart."""
 PRELOAD = ("torch", "torch.distributed", "torch.nn", "torch.optim", "torch._dynamo", "grpc",
            "recover.trainer.api", "recover.trainer.executor")
 """What every worker imports before it can train (torch._dynamo: every torch.optim
@@ -65,13 +68,22 @@ def _thread_count() -> int:
         return 1
 
 
-def preload(modules: tuple[str, ...] = PRELOAD) -> str:
-    """Import `modules`; an empty string when forking is safe, else the reason it is not."""
+def preload(modules: tuple[str, ...] = PRELOAD, optional: tuple[str, ...] = ()) -> str:
+    """Import `modules`, then the user's `optional` ones (RECOVER_PRELOAD: one that fails is
+    left to the workers, saying so); an empty string when forking is safe, else the reason
+    it is not."""
     for name in modules:
         try:
             importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001 (any import failure means: start cold)
             return f"importing {name} failed: {type(exc).__name__}: {exc}"
+    for name in optional:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 (the workers will meet it themselves)
+            print(f"recover zygote: RECOVER_PRELOAD: importing {name} failed "
+                  f"({type(exc).__name__}: {exc}); the workers import it themselves",
+                  file=sys.stderr, flush=True)
     threads = _thread_count()
     if threads > 1:
         # A child forked now would inherit locks those threads may hold.
@@ -165,7 +177,9 @@ def main() -> None:
     control = socket.socket(fileno=args.control_fd)
     if not die_with_parent(args.agent_pid):
         raise SystemExit(0)
-    refused = preload(tuple(name for name in args.preload.split(",") if name))
+    extra = os.environ.get(PRELOAD_ENV, "")
+    refused = preload(tuple(name for name in args.preload.split(",") if name),
+                      tuple(name.strip() for name in extra.split(",") if name.strip()))
     try:
         _send(control, {"refused": refused} if refused else {"ready": True})
     except OSError:  # the agent ended while we imported

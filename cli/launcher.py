@@ -206,6 +206,11 @@ def run_local(args: argparse.Namespace) -> int:
                          "(--store etcd://HOST:PORT or etcds://...); "
                          "the memory store lives in one controller")
     agents = args.agents if args.agents is not None else min(2, job_config.replicas)
+    if args.attach is not None:
+        if job_config.replicas != 1 or job_config.spares or (args.agents or 1) != 1:
+            raise UsageError("recover run: a script run by hand trains one replica (RECOVER_ARGS "
+                             "cannot ask for more replicas, spares or agents)")
+        agents = 1
     if not 1 <= agents <= job_config.replicas:
         raise UsageError(f"--agents must be between 1 and --replicas ({job_config.replicas})")
     out = Path(args.out)
@@ -244,6 +249,8 @@ def run_local(args: argparse.Namespace) -> int:
                 "--max-restarts", str(args.max_restarts),
                 "--restart-window", str(args.restart_window),
                 *(["--cold-start"] if args.cold_start else []),
+                *(["--attach", str(args.attach), "--attach-file", str(out / "attach.json"),
+                   "--max-restarts", "0"] if args.attach is not None else []),
                 *(tls.flags(f"host{index}") if tls else [])])
         print(f"recover run: job {job_config.job_id}, {job_config.replicas} replicas on {agents} "
               f"agents, controller{'s' if len(addresses) > 1 else ''} {address}, logs in "

@@ -84,6 +84,8 @@ def build_parser() -> Parser:
                      help="agents (emulated hosts) to spread the replicas over (default: 2)")
     run.add_argument("--out", default="runs/latest", help="where summary.json and logs go")
     run.add_argument("--quiet", action="store_true", help="no live progress display")
+    run.add_argument("--attach", type=int, default=None, metavar="PID",
+                     help=argparse.SUPPRESS)  # the single-process mode (trainer/standalone.py)
     run.add_argument("--store", default="memory://",
                      help="controller state store: memory:// (default), etcd://HOST:PORT[,...] or "
                           "etcds://HOST:PORT[,...]?ca=F&cert=F&key=F[&server_name=N][&user=U&password_file=F]")
@@ -154,6 +156,9 @@ def build_parser() -> Parser:
                        help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (0: any free port)")
     agent.add_argument("--connect-timeout", type=positive_seconds, default=10.0,
                        help="seconds to wait for the controller at start")
+    agent.add_argument("--attach", type=int, default=None, metavar="PID",
+                       help=argparse.SUPPRESS)  # the single-process mode (trainer/standalone.py)
+    agent.add_argument("--attach-file", default=None, help=argparse.SUPPRESS)
     add_restart_arguments(agent)
     add_security_arguments(agent)
     agent.add_argument("worker_command", nargs=argparse.REMAINDER,
@@ -268,6 +273,7 @@ def _run_agent(args: argparse.Namespace) -> int:
                          command=command or None, log_dir=args.log_dir,
                          connect_timeout_s=args.connect_timeout, metrics_port=args.metrics_port,
                          max_restarts=args.max_restarts, warm_start=not args.cold_start,
+                         attach_pid=args.attach, attach_file=args.attach_file,
                          restart_window_s=args.restart_window, security=security,
                          **({"agent_id": args.agent_id} if args.agent_id else {}))
     try:

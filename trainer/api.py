@@ -41,6 +41,7 @@ from recover.common import logs
 from recover.common.lifetime import die_with_parent
 from recover.common.progress import ProgressBeacon
 from recover.proto import pb
+from recover.trainer import standalone
 from recover.trainer.buffers import BUFFER_MODES, reduced_buckets
 from recover.trainer.channel import AgentChannel, ChannelClosed
 from recover.trainer.checkpoint import CheckpointWriter
@@ -120,6 +121,8 @@ def _die_with_agent() -> bool:
     whose whole process group the agent kills; either way the agent's channel
     closing stops a worker too. Returns False when the agent is already gone.
     """
+    if os.environ.get("RECOVER_ATTACHED") == "1":
+        return True  # the single-process mode: our parent is the user's shell, not an agent
     agent_pid = os.environ.get("RECOVER_AGENT_PID", "")
     return die_with_parent(int(agent_pid) if agent_pid.isdigit() else None)
 
@@ -139,6 +142,11 @@ def init() -> Job:
     global _job
     if _job is not None:
         return _job
+    if "RECOVER_REPLICA_ID" not in os.environ and standalone.enabled():
+        try:
+            standalone.attach()
+        except standalone.NotStandalone as exc:
+            _exit(EXIT_NOT_LAUNCHED, f"recover.trainer.init(): {exc}")
     try:
         replica = int(os.environ["RECOVER_REPLICA_ID"])
         address = os.environ["RECOVER_AGENT_ADDR"]
@@ -146,7 +154,8 @@ def init() -> Job:
     except (KeyError, ValueError):
         _exit(EXIT_NOT_LAUNCHED, "recover.trainer.init(): this script must be started by "
               "`recover run ... -- python SCRIPT` or `recover agent` (RECOVER_REPLICA_ID and "
-              "RECOVER_AGENT_ADDR are not set)")
+              "RECOVER_AGENT_ADDR are not set; RECOVER_STANDALONE=0 turns off training here as "
+              "one local replica)")
     logs.configure("worker")
     if not _die_with_agent():
         _exit(EXIT_AGENT_GONE, "the agent exited before this worker started")
@@ -258,6 +267,7 @@ def train(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
         listener.close()
         channel.close()
     log.info("job ended: %s", shutdown.reason, extra={"replica": job.replica})
+    standalone.finish()  # the single-process mode: the summary is written when train() returns
     return TrainResult(shutdown.success, shutdown.reason, executor.steps_applied,
                        executor.first_at_last_commit)
 

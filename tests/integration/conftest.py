@@ -38,8 +38,9 @@ def recover_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "recover.cli.main", *args]
 
 
-def run_recover(out: Path, *args: str, timeout: float = 120) -> RunResult:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def run_recover(out: Path, *args: str, timeout: float = 120,
+                env: dict[str, str] | None = None) -> RunResult:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     proc = subprocess.run(recover_cmd("run", "--out", str(out), *args), capture_output=True,
                           text=True, timeout=timeout, env=env)
     return RunResult(proc.returncode, proc.stdout, proc.stderr, out)

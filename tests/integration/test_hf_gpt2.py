@@ -26,7 +26,9 @@ SCRIPT = ["--", "python", str(REPO / "examples" / "hf_gpt2.py"), "--seq-len", "3
 
 
 def run(out: Path, *args: str) -> dict[str, Any]:
-    result = run_recover(out, *ARGS, *args, *SCRIPT, timeout=240)
+    # The agents' warm interpreters import GPT-2 once, not every worker and restart.
+    result = run_recover(out, *ARGS, *args, *SCRIPT, timeout=240,
+                         env={"RECOVER_PRELOAD": "transformers.models.gpt2.modeling_gpt2"})
     assert result.returncode == 0, result.stderr
     return result.summary
 

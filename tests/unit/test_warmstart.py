@@ -165,3 +165,23 @@ def test_a_zygote_that_cannot_preload_refuses_and_workers_start_cold(tmp_path: P
             await starter.close()
 
     asyncio.run(scenario())
+
+
+def test_the_users_own_preloads_are_imported_once_and_a_failing_one_is_skipped(
+        tmp_path: Path) -> None:
+    script = tmp_path / "check.py"
+    script.write_text("import sys\nprint('xml.dom.minidom' in sys.modules)\n")
+
+    async def scenario() -> None:
+        env = dict(os.environ, RECOVER_PRELOAD="xml.dom.minidom, no_such_module_for_recover")
+        starter = WarmStarter([str(script)], env, tmp_path / "zygote.log", preload=())
+        await starter.start()
+        try:
+            code, out = await _spawn_and_wait(starter, tmp_path, "w")
+            assert (code, out.strip()) == (0, "True")  # imported before the fork
+        finally:
+            await starter.close()
+        assert "RECOVER_PRELOAD: importing no_such_module_for_recover failed" in (
+            tmp_path / "zygote.log").read_text()
+
+    asyncio.run(scenario())
