@@ -46,6 +46,15 @@ def run_recover(out: Path, *args: str, timeout: float = 120,
     return RunResult(proc.returncode, proc.stdout, proc.stderr, out)
 
 
+def without_emulated_compute(args: list[str]) -> list[str]:
+    """The same job without `--compute-ms`: for a failure-free reference, whose result the
+    emulated compute does not change, only its duration."""
+    if "--compute-ms" not in args:
+        return list(args)
+    at = args.index("--compute-ms")
+    return [*args[:at], *args[at + 2:]]
+
+
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The failure-free run every recovery test is compared with."""

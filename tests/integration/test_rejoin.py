@@ -29,6 +29,7 @@ from tests.integration.conftest import (
     recover_cmd,
     run_recover,
     wait_for,
+    without_emulated_compute,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -39,7 +40,8 @@ ARGS = ["--replicas", "4", "--steps", "90", "-M", "12", "-B", "4", "--seed", "7"
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    result = run_recover(tmp_path_factory.mktemp("rejoin-reference"), *ARGS, timeout=180)
+    result = run_recover(tmp_path_factory.mktemp("rejoin-reference"),
+                         *without_emulated_compute(ARGS), timeout=180)
     assert result.returncode == 0, result.stderr
     return result.summary
 
