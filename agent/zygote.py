@@ -128,6 +128,14 @@ def serve(control: socket.socket) -> WorkerSpec:
                 _send(control, {"exited": pid, "returncode": os.waitstatus_to_exitcode(status)})
 
 
+def _output_to(path: str) -> None:
+    """stdout and stderr of this process append to `path` from now on."""
+    log = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+
+
 def become(spec: WorkerSpec, zygote: int) -> None:
     """Turn this forked child into the worker the agent asked for."""
     os.setsid()  # a process group of its own: the agent kills the worker's whole group
@@ -137,10 +145,7 @@ def become(spec: WorkerSpec, zygote: int) -> None:
     os.dup2(null, 0)
     os.close(null)
     if spec.log is not None:
-        log = os.open(spec.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(log)
+        _output_to(spec.log)
     os.environ.clear()
     os.environ.update(spec.env)
     os.chdir(spec.cwd)
@@ -170,10 +175,7 @@ def main() -> None:
                              "own); in the command line, so `ps` shows whose zygote it is")
     args = parser.parse_args()
     if args.log is not None:
-        log = os.open(args.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(log)
+        _output_to(args.log)
     control = socket.socket(fileno=args.control_fd)
     if not die_with_parent(args.agent_pid):
         raise SystemExit(0)
