@@ -52,9 +52,9 @@ def attach() -> None:
     command = [sys.executable, "-m", "recover.cli.main", "run", "--replicas", "1", "--quiet",
                "--out", str(out), "--attach", str(os.getpid()), *flags,
                "--", sys.executable, *sys.argv]
+    as_run = shlex.join(["recover", "run", "--replicas", "1", *flags])
     print(f"recover: not started by `recover run`: training here as its one replica "
-          f"(recover run --replicas 1 {shlex.join(flags)}); summary and logs in {out}",
-          file=sys.stderr, flush=True)
+          f"({as_run}); summary and logs in {out}", file=sys.stderr, flush=True)
     # Its own session: a Ctrl-C at a pdb prompt here must not stop the job. It ends with the
     # job, which ends when this process does (the agent watches it).
     _launcher = subprocess.Popen(command, stdin=subprocess.DEVNULL, start_new_session=True)
