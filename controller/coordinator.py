@@ -192,9 +192,9 @@ class Coordinator:
         match effect:
             case effects.Send(agent_id, message):
                 self._send(agent_id, message)
-            case effects.Emit(kind, message, step, generation, replica, level):
+            case effects.Emit(kind, message, step, generation, replica, level, pid):
                 self.events.emit(kind, message, step=step, generation=generation,
-                                 replica=replica, level=level)
+                                 replica=replica, level=level, pid=pid)
             case effects.RecordFailure():
                 phase = effect.phase or observed_phase(
                     effect.replica, started=effect.started, resumed=self._progress.resumed,

@@ -30,6 +30,8 @@ class Emit:
     generation: int = -1
     replica: int = -1
     level: int = logging.INFO
+    pid: int = 0
+    """The OS process the event is about (a worker's), 0: none."""
 
 
 @dataclass(frozen=True)

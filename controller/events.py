@@ -34,6 +34,7 @@ class EventLog:
         generation: int = -1,
         replica: int = -1,
         level: int = logging.INFO,
+        pid: int = 0,
     ) -> pb.Event:
         event = pb.Event(
             seq=len(self._events) + 1,
@@ -43,6 +44,7 @@ class EventLog:
             generation=generation,
             replica=replica,
             message=message,
+            pid=pid,
         )
         self._events.append(event)
         self._pending.append(self._records.event_write(event))

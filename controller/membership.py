@@ -108,7 +108,7 @@ def worker_ready(d: Draft, replica: int, ready: pb.Ready, grace_s: float) -> Non
     d.change_replica(replica, state=ReplicaState.READY, pid=ready.pid,
                      transfer_address=ready.transfer_address)
     d.emit("replica-ready", f"pid {ready.pid}, params {ready.param_sha256[:12]}",
-           replica=replica)
+           replica=replica, pid=ready.pid)
     if not d.v.workload.parameters:
         d.set(workload=ready.workload)
     v = d.v

@@ -274,8 +274,8 @@ class Draft:
         self.effects.append(effects.Send(agent_id, message))
 
     def emit(self, kind: str, message: str, *, step: int = -1, generation: int = -1,
-             replica: int = -1, level: int = logging.INFO) -> None:
-        self.effects.append(effects.Emit(kind, message, step, generation, replica, level))
+             replica: int = -1, level: int = logging.INFO, pid: int = 0) -> None:
+        self.effects.append(effects.Emit(kind, message, step, generation, replica, level, pid))
 
     def do(self, effect: effects.Effect) -> None:
         self.effects.append(effect)

@@ -728,7 +728,7 @@ class EventsRequest(_message.Message):
     def __init__(self, after_seq: _Optional[int] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("seq", "at", "kind", "step", "generation", "replica", "message")
+    __slots__ = ("seq", "at", "kind", "step", "generation", "replica", "message", "pid")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     AT_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -736,6 +736,7 @@ class Event(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
     seq: int
     at: float
     kind: str
@@ -743,7 +744,8 @@ class Event(_message.Message):
     generation: int
     replica: int
     message: str
-    def __init__(self, seq: _Optional[int] = ..., at: _Optional[float] = ..., kind: _Optional[str] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ..., replica: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    pid: int
+    def __init__(self, seq: _Optional[int] = ..., at: _Optional[float] = ..., kind: _Optional[str] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ..., replica: _Optional[int] = ..., message: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class EventList(_message.Message):
     __slots__ = ("events",)

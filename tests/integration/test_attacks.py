@@ -175,8 +175,7 @@ def test_no_process_of_the_job_outlives_its_launcher(tmp_path: Path) -> None:
             assert sum("recover.agent.zygote" in line for line in lines) == 3, (how, lines)
             with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
                 events = rpc.ControlStub(channel).Events(pb.EventsRequest(), timeout=2).events
-            workers[how] = [int(e.message.split()[1].rstrip(",")) for e in events
-                            if e.kind == "replica-ready"]
+            workers[how] = [e.pid for e in events if e.kind == "replica-ready"]
             assert len(workers[how]) == 2, how
         for how in hows:
             proc = procs[how]

@@ -67,8 +67,7 @@ class Job:
         return [e for e in self.stub.Events(pb.EventsRequest(), timeout=2).events if e.kind == kind]
 
     def pids(self) -> dict[int, int]:
-        return {e.replica: int(e.message.split()[1].rstrip(","))
-                for e in self.events("replica-ready")}
+        return {e.replica: e.pid for e in self.events("replica-ready")}
 
 
 def proc_stats(pid: int) -> tuple[int, int]:

@@ -86,6 +86,8 @@ async def test_start_waits_for_every_replica_then_broadcasts_generation_1():
     assert h.coord.state is JobState.WAITING and not h.messages("generation")
     await h.coord.worker_ready(2, pb.Ready(pid=3))
     assert h.coord.state is JobState.RUNNING
+    # Each replica's process, as a field of its event (`recover events --json`).
+    assert [(e.replica, e.pid) for e in h.events("replica-ready")] == [(0, 1), (1, 1), (2, 3)]
     views = h.messages("generation")
     assert [a for a, _ in views] == ["a", "b"], "one view per agent hosting members"
     for _, view in views:
