@@ -14,11 +14,14 @@ Every refusal is counted by its `reason` (the metric
 
 from __future__ import annotations
 
+import os
 from collections.abc import Collection
 from dataclasses import dataclass
 from enum import StrEnum
 
+from recover.common.ckptfile import file_name
 from recover.common.security import Identity, Role
+from recover.proto import pb
 
 
 class Reason(StrEnum):
@@ -34,6 +37,9 @@ class Reason(StrEnum):
     """Valid credentials, but the role may not do this."""
     MALFORMED = "malformed"
     """Bytes that are not the message they claim to be."""
+    IMPLAUSIBLE = "implausible"
+    """A well-formed report of something the job cannot have done (a checkpoint it does not
+    write, of a step it has not committed, in another folder)."""
 
 
 @dataclass(frozen=True)
@@ -95,4 +101,25 @@ def may_report(agent_id: str, kind: str, replica: int, hosted: Collection[int]) 
     if kind in REPLICA_MESSAGES and replica not in hosted:
         return Verdict(False, f"agent {agent_id!r} reported {kind} for replica {replica}, which "
                               "it does not host", Reason.FOREIGN_REPLICA)
+    return ALLOWED
+
+
+def may_record_checkpoint(written: pb.CheckpointWritten, folder: str,
+                          steps_committed: int) -> Verdict:
+    """Is a replica's report of a checkpoint something this job can have written? Only then
+    does it become the job's `last_checkpoint` (summary.json, metrics): checkpoints are
+    configured (`folder`), the step is a committed one, and the file is that step's file in
+    the job's folder (a report naming a planted file elsewhere is refused)."""
+    if not folder:
+        return Verdict(False, f"a checkpoint of step {written.step} was reported, but this job "
+                              "writes none", Reason.IMPLAUSIBLE)
+    if not 0 < written.step <= steps_committed:
+        return Verdict(False, f"a checkpoint of step {written.step} was reported, but "
+                              f"{steps_committed} steps are committed", Reason.IMPLAUSIBLE)
+    if written.error:
+        return ALLOWED  # a failure names no file
+    expected = os.path.join(os.path.abspath(folder), file_name(written.step))
+    if os.path.abspath(written.path) != expected:
+        return Verdict(False, f"a checkpoint of step {written.step} was reported at "
+                              f"{written.path!r}, not at {expected!r}", Reason.IMPLAUSIBLE)
     return ALLOWED

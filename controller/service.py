@@ -236,7 +236,13 @@ class AgentSessions(rpc.AgentSessionServicer):
                 elif which == "join_failed":
                     await coordinator.joins.failed(report.replica, report.join_failed)
                 elif which == "checkpoint_written":
-                    coordinator.checkpoint_written(report.replica, report.checkpoint_written)
+                    written = report.checkpoint_written
+                    believed = authz.may_record_checkpoint(
+                        written, coordinator.job.checkpoint.dir, len(coordinator.steps))
+                    if not believed.allowed:
+                        self.reject(coordinator, believed)
+                        return
+                    coordinator.checkpoint_written(report.replica, written)
 
 
 class ControlService(rpc.ControlServicer):

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from recover.common.security import ALL_ROLES, ANONYMOUS, Identity, Role
-from recover.controller.authz import Reason, may_call, may_register, may_report
+from recover.controller.authz import (
+    Reason,
+    may_call,
+    may_record_checkpoint,
+    may_register,
+    may_report,
+)
+from recover.proto import pb
 
 
 @pytest.mark.parametrize("agent_id, live, subject, bound, allowed, code, reason", [
@@ -67,3 +74,29 @@ def test_may_report(kind, replica, hosted, allowed, reason):
     assert reason in verdict.reason
     if not allowed:
         assert verdict.code is Reason.FOREIGN_REPLICA
+
+
+CKPT = "/shared/ckpt"
+
+
+@pytest.mark.parametrize("written, folder, committed, allowed, reason", [
+    (pb.CheckpointWritten(step=10, path=f"{CKPT}/ckpt-0000000010.rcv"), CKPT, 12, True,
+     "allowed"),
+    (pb.CheckpointWritten(step=12, path=f"{CKPT}/x/../ckpt-0000000012.rcv"), CKPT + "/", 12,
+     True, "allowed"),  # the same file, spelled differently
+    (pb.CheckpointWritten(step=10, path=f"{CKPT}/ckpt-0000000010.rcv"), "", 12, False,
+     "a checkpoint of step 10 was reported, but this job writes none"),
+    (pb.CheckpointWritten(step=13, path=f"{CKPT}/ckpt-0000000013.rcv"), CKPT, 12, False,
+     "a checkpoint of step 13 was reported, but 12 steps are committed"),
+    (pb.CheckpointWritten(step=0, path=f"{CKPT}/ckpt-0000000000.rcv"), CKPT, 12, False,
+     "but 12 steps are committed"),
+    (pb.CheckpointWritten(step=10, path="/tmp/planted/ckpt-0000000010.rcv"), CKPT, 12, False,
+     "reported at '/tmp/planted/ckpt-0000000010.rcv', not at '/shared/ckpt/ckpt-0000000010.rcv'"),
+    (pb.CheckpointWritten(step=10, path=f"{CKPT}/ckpt-0000000009.rcv"), CKPT, 12, False,
+     "not at '/shared/ckpt/ckpt-0000000010.rcv'"),
+    (pb.CheckpointWritten(step=10, error="disk full"), CKPT, 12, True, "allowed"),
+])
+def test_may_record_checkpoint(written, folder, committed, allowed, reason):
+    verdict = may_record_checkpoint(written, folder, committed)
+    assert (verdict.allowed, verdict.code) == (allowed, None if allowed else Reason.IMPLAUSIBLE)
+    assert reason in verdict.reason
