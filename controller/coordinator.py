@@ -447,7 +447,11 @@ class JoinReports:
         return self._c.transfers
 
     def progress(self, replica: int, msg: pb.JoinProgress) -> None:
-        self._c._run_now(joinflow.progress, replica, msg)
+        steps = self._c.steps
+        before = msg.step - 1  # the snapshot holds the state after this step
+        committed = ({d.param_sha256 for d in steps[before].param_sha256}
+                     if msg.param_sha256 and 0 <= before < len(steps) else set())
+        self._c._run_now(joinflow.progress, replica, msg, committed)
 
     async def failed(self, replica: int, msg: pb.JoinFailed) -> None:
         await self._c._run(losses.join_failed, replica, msg)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from recover.controller import effects
 from recover.controller.joins import (
@@ -20,6 +20,7 @@ from recover.controller.joins import (
     Join,
     JoinPhase,
     after_failure,
+    check_snapshot,
     choose_donor,
     entry,
 )
@@ -56,10 +57,20 @@ def _start(d: Draft, join: Join) -> None:
            replica=join.joiner)
 
 
-def progress(d: Draft, replica: int, msg: pb.JoinProgress) -> None:
+def progress(d: Draft, replica: int, msg: pb.JoinProgress,
+             committed: Collection[str] = ()) -> None:
+    """`committed`: the members' digests of the step before `msg.step`, which the state a
+    joiner loaded from its snapshot must match."""
     join = d.v.joins.get(replica)
     if join is None or msg.attempt != join.attempts:
         d.do(effects.Stale())  # a report of an attempt that was already replaced
+        return
+    check = check_snapshot(msg.param_sha256, committed, msg.step, join.donor)
+    if not check.trusted:
+        d.emit("snapshot-refused", check.reason, step=msg.step, replica=replica,
+               level=logging.WARNING)
+        attempt_failed(d, replica, pb.JoinFailed(donor=join.donor, reason=check.reason,
+                                                 attempt=msg.attempt, step=-1))
         return
     if join.snapshot_bytes == 0 and msg.snapshot_bytes:
         join = dataclasses.replace(join, snapshot_bytes=msg.snapshot_bytes,

@@ -120,3 +120,25 @@ def after_failure(join: Join, why: str) -> Retry:
                             f"attempts (last: {why})")
     return Retry(True, f"join of replica {join.joiner} failed ({why}); attempt "
                        f"{join.attempts + 1} of {MAX_ATTEMPTS} follows")
+
+
+@dataclass(frozen=True)
+class SnapshotCheck:
+    trusted: bool
+    reason: str
+
+
+def check_snapshot(reported: str, committed: Collection[str], step: int, donor: int
+                   ) -> SnapshotCheck:
+    """Does the state a joiner loaded from `donor`'s snapshot (`reported`, its digest) hold
+    the parameters the job committed before `step` (`committed`: the members' digests of
+    step - 1)? A donor whose snapshot differs (a bug, a bad host, an attacker) must not seed
+    a member. Unverifiable, so accepted: no digest reported (an older worker), or none
+    committed yet (the state before step 0, or members' digests still in flight)."""
+    if not reported or not committed:
+        return SnapshotCheck(True, "not verifiable: no digest to compare")
+    if reported in committed:
+        return SnapshotCheck(True, f"the snapshot holds the parameters committed at step {step - 1}")
+    return SnapshotCheck(False, f"the snapshot from replica {donor} holds other parameters than "
+                                f"those committed at step {step - 1} ({reported[:12]} against "
+                                f"{', '.join(sorted(d[:12] for d in committed))})")

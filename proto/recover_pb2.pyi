@@ -251,18 +251,20 @@ class Join(_message.Message):
     def __init__(self, joiner: _Optional[int] = ..., donor: _Optional[int] = ..., token: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class JoinProgress(_message.Message):
-    __slots__ = ("step", "snapshot_bytes", "snapshot_s", "donor", "attempt")
+    __slots__ = ("step", "snapshot_bytes", "snapshot_s", "donor", "attempt", "param_sha256")
     STEP_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_S_FIELD_NUMBER: _ClassVar[int]
     DONOR_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    PARAM_SHA256_FIELD_NUMBER: _ClassVar[int]
     step: int
     snapshot_bytes: int
     snapshot_s: float
     donor: int
     attempt: int
-    def __init__(self, step: _Optional[int] = ..., snapshot_bytes: _Optional[int] = ..., snapshot_s: _Optional[float] = ..., donor: _Optional[int] = ..., attempt: _Optional[int] = ...) -> None: ...
+    param_sha256: str
+    def __init__(self, step: _Optional[int] = ..., snapshot_bytes: _Optional[int] = ..., snapshot_s: _Optional[float] = ..., donor: _Optional[int] = ..., attempt: _Optional[int] = ..., param_sha256: _Optional[str] = ...) -> None: ...
 
 class JoinFailed(_message.Message):
     __slots__ = ("donor", "reason", "attempt", "step")

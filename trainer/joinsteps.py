@@ -67,7 +67,8 @@ class JoinSteps(ExecutorBase):
             self.load_training_state(catchup.state, catchup.step)
             self.built_tensors = None  # loaded: nothing of the state as built is needed now
             self.hooks.after_snapshot_loaded(catchup.step)
-            self._report_join(command, catchup)
+            # The controller checks what was loaded against the committed digest.
+            self._report_join(command, catchup, self.workload.digest())
             while (committed := catchup.next()) is not None:
                 self._apply(committed.grads, committed.step, None)
                 self._report_join(command, catchup)
@@ -125,7 +126,8 @@ class JoinSteps(ExecutorBase):
         if pending is not None:
             self._join(pending)
 
-    def _report_join(self, command: pb.Join, catchup: Catchup) -> None:
+    def _report_join(self, command: pb.Join, catchup: Catchup, digest: str = "") -> None:
         self.channel.send(pb.WorkerReport(join_progress=pb.JoinProgress(
             step=self.state.step, snapshot_bytes=catchup.snapshot_bytes,
-            snapshot_s=catchup.snapshot_s, donor=command.donor, attempt=command.attempt)))
+            snapshot_s=catchup.snapshot_s, donor=command.donor, attempt=command.attempt,
+            param_sha256=digest)))

@@ -246,3 +246,30 @@ async def test_without_a_replacement_the_job_starts_with_min_replicas_after_the_
     await h.coord.check_liveness()
     assert h.coord.state is JobState.RUNNING and h.coord.members == [0, 1]
     assert "starting with 2 of 3 replicas" in h.events("started")[0].message
+
+
+@scenario
+async def test_a_snapshot_that_differs_from_the_committed_parameters_is_refused():
+    h = Harness(make_job(replicas=3, steps=10, m=6))
+    await h.start()
+    await commit(h)  # step 0 committed; the members' digest of it is "cd" * 32
+    await h.coord.worker_exited(pb.WorkerExited(replica=2, signal=9))
+    replica = await restart(h, "a2")
+    await h.coord.worker_ready(replica, ready(replica))
+    first = h.messages("join")[-1][1]
+    h.coord.joins.progress(replica, pb.JoinProgress(
+        step=1, snapshot_bytes=4096, snapshot_s=0.01, donor=first.donor, attempt=first.attempt,
+        param_sha256="ee" * 32))  # what the joiner loaded is not what was committed
+    refused, = h.events("snapshot-refused")
+    assert f"the snapshot from replica {first.donor} holds other parameters than those " \
+           "committed at step 0 (eeeeeeeeeeee against cdcdcdcdcdcd)" in refused.message
+    assert not h.events("state-transfer")
+    h.clock.now += 1.0
+    h.coord.joins.retry_waiting()
+    second = h.messages("join")[-1][1]
+    assert second.donor != first.donor and second.attempt == first.attempt + 1
+    # The next donor's snapshot holds the committed parameters: accepted.
+    h.coord.joins.progress(replica, pb.JoinProgress(
+        step=1, snapshot_bytes=4096, snapshot_s=0.01, donor=second.donor,
+        attempt=second.attempt, param_sha256="cd" * 32))
+    assert len(h.events("snapshot-refused")) == 1 and h.events("state-transfer")

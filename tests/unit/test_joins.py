@@ -11,6 +11,7 @@ from recover.controller.joins import (
     Join,
     JoinPhase,
     after_failure,
+    check_snapshot,
     choose_donor,
     entry,
 )
@@ -59,3 +60,16 @@ def test_after_failure_retries_then_gives_up():
     assert retry.retry and f"attempt 2 of {MAX_ATTEMPTS}" in retry.reason
     retry = after_failure(dataclasses.replace(join, attempts=MAX_ATTEMPTS), "peer closed")
     assert not retry.retry and "abandoned" in retry.reason and "peer closed" in retry.reason
+
+
+@pytest.mark.parametrize("reported, committed, trusted, reason", [
+    ("aa", {"aa"}, True, "the snapshot holds the parameters committed at step 4"),
+    ("aa", {"aa", "bb"}, True, "committed at step 4"),  # a divergence already reported elsewhere
+    ("cc", {"aa"}, False, "the snapshot from replica 2 holds other parameters than those "
+                          "committed at step 4 (cc against aa)"),
+    ("", {"aa"}, True, "not verifiable"),   # a worker that sends no digest
+    ("cc", set(), True, "not verifiable"),  # nothing committed yet to compare with
+])
+def test_check_snapshot(reported, committed, trusted, reason):
+    check = check_snapshot(reported, committed, step=5, donor=2)
+    assert check.trusted is trusted and reason in check.reason
