@@ -143,9 +143,11 @@ def init_ca(folder: Path, name: str, days: int) -> tuple[Path, Path]:
 def issue(folder: Path, name: str, roles: list[Role], hosts: list[str], days: int, *,
           not_before: datetime.datetime | None = None,
           not_after: datetime.datetime | None = None) -> tuple[Path, Path]:
-    """A certificate for `name` signed by the CA in `folder`; usable as a server certificate
-    for `hosts` and as a client certificate. (`not_before`/`not_after`: for tests of
-    certificates not yet or no longer valid.)"""
+    """A certificate for `name` signed by the CA in `folder`, usable as a client certificate,
+    and as a server certificate only for a controller or a certificate that names `hosts`
+    it serves on (an etcd member): TLS clients refuse a server certificate without that
+    purpose, so an agent's or an operator's certificate cannot pose as a controller.
+    (`not_before`/`not_after`: for tests of certificates not yet or no longer valid.)"""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -175,8 +177,9 @@ def issue(folder: Path, name: str, roles: list[Role], hosts: list[str], days: in
                .not_valid_before(not_before or now - datetime.timedelta(minutes=5))
                .not_valid_after(not_after or now + datetime.timedelta(days=days))
                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-               .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
-                                                     ExtendedKeyUsageOID.CLIENT_AUTH]),
+               .add_extension(x509.ExtendedKeyUsage(
+                   [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+                   if Role.CONTROLLER in roles or hosts else [ExtendedKeyUsageOID.CLIENT_AUTH]),
                               critical=False))
     if names:
         builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)

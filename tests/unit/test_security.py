@@ -156,3 +156,37 @@ def test_what_a_controller_leaves_open_is_one_warning(security: Security, loopba
                                                       phrase: str) -> None:
     warning = exposure(security, loopback)
     assert (phrase in warning) if phrase else warning == ""
+
+
+@pytest.mark.parametrize("roles, hosts, serves", [
+    ([Role.CONTROLLER], ["localhost"], True),
+    ([Role.AGENT], [], False),
+    ([Role.READER, Role.OPERATOR], [], False),
+])
+def test_only_a_serving_certificate_can_serve(tmp_path: Path, roles: list[Role],
+                                               hosts: list[str], serves: bool) -> None:
+    """An agent's or an operator's certificate has no server purpose: a client (an agent
+    following a leader hint) refuses it at the handshake even when its name is the address
+    dialled (here `localhost`, which the name check alone would accept), so it cannot pose
+    as a controller. A real gRPC server on loopback, a real TLS handshake."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    init_ca(tmp_path, "test CA", 1)
+    cert_path, key_path = issue(tmp_path, "localhost", roles, hosts, 1)
+    server = grpc.server(ThreadPoolExecutor(1))
+    port = server.add_secure_port("localhost:0", grpc.ssl_server_credentials(
+        [(key_path.read_bytes(), cert_path.read_bytes())]))
+    server.start()
+    channel = grpc.secure_channel(f"localhost:{port}",
+                                  grpc.ssl_channel_credentials((tmp_path / "ca.pem").read_bytes()))
+    try:
+        grpc.channel_ready_future(channel).result(timeout=5)
+        handshake = True
+    except grpc.FutureTimeoutError:
+        handshake = False
+    finally:
+        channel.close()
+        server.stop(None)
+    assert handshake is serves
