@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up (first time) and run the whole test suite. Extra arguments go to pytest.
-#   scripts/test.sh --quick   the iteration tier (about 2 min on 2 cores): every in-process
+#   scripts/test.sh --quick   the iteration tier (82 s on 2 cores): every in-process
 #                             test, and one real job with a kill in each phase of a step
 set -euo pipefail
 cd "$(dirname "$0")/.."
