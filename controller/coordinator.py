@@ -157,10 +157,9 @@ class Coordinator:
         return self._speeds
 
     def _draft(self) -> Draft:
-        self.speeds()
         # A quota policy plans from measured speeds and, for its hysteresis, the plan the
         # workers hold; a policy that plans by counts alone ignores both.
-        plans = self.policy.with_measurements(self._speeds, self.view.plan)
+        plans = self.policy.with_measurements(self.speeds(), self.view.plan)
         return Draft(self.view, Facts(
             now=self._clock(), policy=plans, token=_token, rendezvous=self._rendezvous,
             ledger_len=len(self.steps), last_record=self.steps[-1] if self.steps else None))
