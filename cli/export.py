@@ -60,19 +60,20 @@ def run(args: argparse.Namespace) -> int:
         return 1
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
-        if out.suffix == ".safetensors":
-            from safetensors.torch import save_file
+        # Owner-only from its first byte, as the checkpoint it comes from.
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+            if out.suffix == ".safetensors":
+                from safetensors.torch import save
 
-            save_file(_unshared(checkpoint.model), str(tmp),
-                      metadata={"job_id": checkpoint.job_id, "step": str(checkpoint.step)})
-        else:
-            payload: dict[str, Any] = checkpoint.model
-            if args.with_optimizer:
-                payload = {"model": checkpoint.model, "optimizer": checkpoint.optimizer,
-                           "lr_scheduler": checkpoint.lr_scheduler, "extra": checkpoint.extra,
-                           "step": checkpoint.step}
-            torch.save(payload, tmp)
-        os.chmod(tmp, 0o600)
+                f.write(save(_unshared(checkpoint.model),
+                             metadata={"job_id": checkpoint.job_id, "step": str(checkpoint.step)}))
+            else:
+                payload: dict[str, Any] = checkpoint.model
+                if args.with_optimizer:
+                    payload = {"model": checkpoint.model, "optimizer": checkpoint.optimizer,
+                               "lr_scheduler": checkpoint.lr_scheduler, "extra": checkpoint.extra,
+                               "step": checkpoint.step}
+                torch.save(payload, f)
         os.replace(tmp, out)
     except ImportError:
         print("recover export: writing .safetensors needs the safetensors package "
