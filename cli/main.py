@@ -112,6 +112,9 @@ def build_parser() -> Parser:
     ctl = sub.add_parser("controller", help="run the controller of a job")
     add_job_arguments(ctl)
     ctl.add_argument("--host", default="127.0.0.1", help="address to listen on and advertise")
+    ctl.add_argument("--insecure", action="store_true",
+                     help="allow TLS without client authentication (no --tls-ca, no tokens) on "
+                          "a non-loopback address, where every caller gets every role")
     ctl.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
     ctl.add_argument("--port-file", default=None, help="write the chosen port here")
     ctl.add_argument("--store", default="memory://",
@@ -244,6 +247,15 @@ def _run_controller(args: argparse.Namespace) -> int:
     if security.tls and not security.cert:
         raise UsageError("recover controller: serving TLS needs --tls-cert and --tls-key "
                          "(--tls-ca alone is what clients use)")
+    from recover.common.netaddr import is_loopback
+
+    if (security.tls and not security.authenticates_clients and not is_loopback(args.host)
+            and not args.insecure):
+        # Encrypted, so it looks secured, yet every caller gets every role: refuse the trap.
+        raise UsageError(f"recover controller: --host {args.host} with TLS but neither "
+                         "--tls-ca nor --token-file would let anyone who reaches it act as an "
+                         "agent or operator; add --tls-ca (mutual TLS) or tokens, or say "
+                         "--insecure")
     logs.configure("controller")
     config = ControllerConfig(host=args.host, port=args.port, port_file=args.port_file,
                               store_url=args.store, agent_timeout_s=args.agent_timeout,

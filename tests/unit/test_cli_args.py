@@ -431,3 +431,24 @@ def test_a_job_file_larger_than_settings_can_be_is_refused(capsys, tmp_path):
     code, _, err = run_main(capsys, ["run", "--job", str(big), "--out", str(tmp_path / "o")])
     assert code == 2
     assert_one_line(err, "a job file is at most 1024 KiB")
+
+
+def test_server_only_tls_off_loopback_is_refused_unless_insecure(capsys, tmp_path):
+    """Issue 22 point 5: TLS without a client CA or tokens looks secured but lets every caller
+    act as an agent or operator; on a network address it needs --insecure."""
+    from recover.cli.certs import init_ca, issue
+    from recover.common.security import Role
+
+    init_ca(tmp_path, "test CA", 1)
+    cert, key = issue(tmp_path, "controller", [Role.CONTROLLER], ["127.0.0.1"], 1)
+    tls = ["--tls-cert", str(cert), "--tls-key", str(key)]
+    code, out, err = run_main(capsys, ["controller", "--host", "0.0.0.0", *tls])
+    assert code == 2 and out == ""
+    assert_one_line(err, "recover controller: --host 0.0.0.0 with TLS but neither --tls-ca nor "
+                         "--token-file would let anyone who reaches it act as an agent")
+    # Allowed: said so, on loopback, or with client certificates; the job would start (the
+    # fixture refuses to serve, which is how "accepted" shows here).
+    for argv in (["--host", "0.0.0.0", *tls, "--insecure"], ["--host", "127.0.0.1", *tls],
+                 ["--host", "0.0.0.0", *tls, "--tls-ca", str(tmp_path / "ca.pem")]):
+        with pytest.raises(AssertionError, match="the arguments were accepted"):
+            main(["controller", *argv])
