@@ -128,5 +128,15 @@ def as_source(microbatches: Any) -> MicrobatchSource:
     if hasattr(microbatches, "__len__") and hasattr(microbatches, "__getitem__"):
         raise TypeError("microbatches= got a dataset; wrap it to say how many samples make a "
                         "microbatch: DatasetMicrobatches(dataset, microbatch_size=B)")
+    if hasattr(microbatches, "dataset") and hasattr(microbatches, "batch_size"):
+        # A DataLoader's order comes from its sampler and workers: after a failure no other
+        # replica could compute the same microbatch again, so the M would not be the same.
+        raise TypeError("microbatches= got a DataLoader, whose batches a failure cannot "
+                        "replay; pass its dataset: DatasetMicrobatches(loader.dataset, "
+                        "microbatch_size=B, collate_fn=loader.collate_fn)")
+    if hasattr(microbatches, "__next__") or hasattr(microbatches, "__iter__"):
+        raise TypeError(f"microbatches= got an iterator ({type(microbatches).__name__}), whose "
+                        "batches a failure cannot replay; give a function (step, microbatch) -> "
+                        "batch or DatasetMicrobatches(dataset, microbatch_size=B)")
     raise TypeError(f"microbatches= must be a function (step, microbatch) -> batch or a "
                     f"DatasetMicrobatches, got {type(microbatches).__name__}")

@@ -131,6 +131,14 @@ def test_what_train_accepts_as_microbatches() -> None:
         as_source([1, 2, 3])
     with pytest.raises(TypeError, match="must be a function"):
         as_source(42)
+    # What a torch user brings: refused, naming the wrapper that keeps the contract.
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2, shuffle=True)
+    with pytest.raises(TypeError, match=r"got a DataLoader, whose batches a failure cannot "
+                                        r"replay; pass its dataset: DatasetMicrobatches\(loader"):
+        as_source(loader)
+    with pytest.raises(TypeError, match=r"got an iterator \(generator\).*a function \(step, "
+                                        r"microbatch\) -> batch or DatasetMicrobatches"):
+        as_source(x for x in range(3))
     with pytest.raises(ValueError, match="microbatch_size"):
         DatasetMicrobatches([1, 2, 3], microbatch_size=0)
     with pytest.raises(TypeError, match="map-style"):
