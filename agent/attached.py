@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+
+from recover.agent.warmstart import ReportedExit
 
 EXIT_UNKNOWN = 1
 """The exit code reported for an attached process: not the agent's child, so its real status
@@ -21,12 +23,9 @@ cannot be read; what matters is that it is gone."""
 
 
 @dataclass
-class AttachedProcess:
-    """The part of asyncio's Process the agent uses, for a process it did not start."""
+class AttachedProcess(ReportedExit):
+    """A process the agent did not start; a pidfd tells of its exit."""
 
-    pid: int
-    returncode: int | None = None
-    _exited: asyncio.Event = field(default_factory=asyncio.Event)
     _pidfd: int = -1
 
     def watch(self) -> bool:
@@ -44,14 +43,7 @@ class AttachedProcess:
             asyncio.get_running_loop().remove_reader(self._pidfd)
             os.close(self._pidfd)
             self._pidfd = -1
-        if self.returncode is None:
-            self.returncode = EXIT_UNKNOWN
-            self._exited.set()
-
-    async def wait(self) -> int:
-        await self._exited.wait()
-        assert self.returncode is not None
-        return self.returncode
+        self.exited(EXIT_UNKNOWN)
 
     def kill(self) -> None:
         """Never: it is the user's own process (a debugger may hold it), and it ends when the

@@ -49,9 +49,9 @@ def decide_warm_start(command: list[str], executable: str, enabled: bool = True)
 
 
 @dataclass
-class ForkedProcess:
-    """A worker forked by the zygote: the part of asyncio's Process the agent uses. Its exit
-    status comes from the zygote, which reaps it the moment it exits."""
+class ReportedExit:
+    """The part of asyncio's Process the agent uses, for a process that is not the agent's
+    child: someone else learns its exit and calls `exited`."""
 
     pid: int
     returncode: int | None = None
@@ -62,13 +62,19 @@ class ForkedProcess:
         assert self.returncode is not None
         return self.returncode
 
-    def kill(self) -> None:
-        os.kill(self.pid, signal.SIGKILL)
-
     def exited(self, returncode: int) -> None:
         if self.returncode is None:
             self.returncode = returncode
             self._exited.set()
+
+
+@dataclass
+class ForkedProcess(ReportedExit):
+    """A worker forked by the zygote, which reaps it the moment it exits and reports its
+    status."""
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
 
 
 class WarmStarter:
@@ -120,7 +126,8 @@ class WarmStarter:
             return None
         refused = await asyncio.shield(self._ready)
         if refused:
-            return self._give_up(refused)
+            self._give_up(refused)
+            return None
         self._next += 1
         waiting = asyncio.get_running_loop().create_future()
         self._pending[self._next] = waiting
@@ -131,7 +138,8 @@ class WarmStarter:
             await self._writer.drain()
         except (ConnectionError, RuntimeError) as exc:
             self._pending.pop(self._next, None)
-            return self._give_up(f"the warm interpreter is gone ({exc})")
+            self._give_up(f"the warm interpreter is gone ({exc})")
+            return None
         return await waiting
 
     def _give_up(self, reason: str) -> None:
@@ -139,7 +147,6 @@ class WarmStarter:
             self.broken = reason
             if not self._closing:
                 log.warning("workers start cold from now on: %s", reason)
-        return None
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         assert self._ready is not None

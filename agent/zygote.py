@@ -32,6 +32,7 @@ import select
 import socket
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 from recover.common.lifetime import die_with_parent
 
@@ -97,35 +98,44 @@ def serve(control: socket.socket) -> WorkerSpec:
     children: dict[int, int] = {}  # pidfd -> pid
     pending = b""
     while True:
-        readable, _, _ = select.select([control, *children], [], [])
+        readable, _, _ = select.select([control.fileno(), *children], [], [])
         for fd in readable:
-            if fd is control:
-                data = control.recv(65536)
-                if not data:  # the agent is gone or done: our children go with us
-                    raise SystemExit(0)
-                pending += data
-                while b"\n" in pending:
-                    line, pending = pending.split(b"\n", 1)
-                    request = json.loads(line)
-                    spec = WorkerSpec(target=list(request["target"]), env=dict(request["env"]),
-                                      cwd=str(request["cwd"]), log=request.get("log"))
-                    try:
-                        pid = os.fork()
-                    except OSError as exc:
-                        _send(control, {"spawned": request["spawn"], "error": str(exc)})
-                        continue
-                    if pid == 0:
-                        for pidfd in children:
-                            os.close(pidfd)
-                        control.close()
-                        return spec
-                    children[os.pidfd_open(pid)] = pid
-                    _send(control, {"spawned": request["spawn"], "pid": pid})
-            else:
+            if fd != control.fileno():
                 pid = children.pop(fd)
                 os.close(fd)
                 _, status = os.waitpid(pid, 0)
                 _send(control, {"exited": pid, "returncode": os.waitstatus_to_exitcode(status)})
+                continue
+            data = control.recv(65536)
+            if not data:  # the agent is gone or done: our children go with us
+                raise SystemExit(0)
+            pending += data
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                spec = _fork(json.loads(line), control, children)
+                if spec is not None:
+                    return spec
+
+
+def _fork(request: dict[str, Any], control: socket.socket,
+          children: dict[int, int]) -> WorkerSpec | None:
+    """Fork the requested worker: its spec in the child, None in the zygote (which tells the
+    agent the pid, or why there is none, and watches the child's exit)."""
+    spec = WorkerSpec(target=list(request["target"]), env=dict(request["env"]),
+                      cwd=str(request["cwd"]), log=request.get("log"))
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        _send(control, {"spawned": request["spawn"], "error": str(exc)})
+        return None
+    if pid == 0:
+        for pidfd in children:
+            os.close(pidfd)
+        control.close()
+        return spec
+    children[os.pidfd_open(pid)] = pid
+    _send(control, {"spawned": request["spawn"], "pid": pid})
+    return None
 
 
 def _output_to(path: str) -> None:
