@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -33,9 +34,10 @@ from recover.agent.watchdog import watch_for_hangs
 from recover.agent.workers import (
     WorkerProcess,
     base_environment,
+    every_process,
     exit_report,
     resolve_command,
-    spawn_worker,
+    spawn_replica,
     stop_workers,
 )
 from recover.common.netaddr import local_address_towards
@@ -194,8 +196,9 @@ class Agent:
                 # interpreter's imports on a busy host.
                 self._tasks += [asyncio.create_task(self._heartbeat()),
                                 asyncio.create_task(watch_for_hangs(self.workers, registered.job))]
-                for slot, replica in enumerate(registered.replica_ids):
-                    await self._spawn(slot, replica)
+                ranks = max(registered.job.ranks_per_replica, 1)
+                for index, replica in enumerate(registered.replica_ids):
+                    await self._spawn(index * ranks, replica)
                 while not await self._pump(session):
                     # The leader is gone (or stood down): the workers keep going
                     # while we find the new one and rejoin it.
@@ -207,7 +210,7 @@ class Agent:
             finally:
                 for task in self._tasks:
                     task.cancel()
-                await stop_workers(list(self.workers.values()), cfg.shutdown_grace_s
+                await stop_workers(every_process(self.workers), cfg.shutdown_grace_s
                                    if self._shutdown is not None else 0.0)
                 if self._warm is not None:
                     await self._warm.close()
@@ -270,46 +273,74 @@ class Agent:
         if self.config.attach_pid is not None:
             self._adopt(slot, replica, self.config.attach_pid)
             return
+        ranks = max(self._job.ranks_per_replica, 1)
         try:
-            worker = await spawn_worker(
-                command, replica=replica, slot=slot, agent_id=self.config.agent_id,
-                agent_address=self._channel_address, job_id=self._job.job_id, log_dir=log_dir,
-                progress_path=self._run_dir / f"progress-{replica}.bin",
-                transfer_host=self._transfer_host, warm=self._warm)
+            worker = await spawn_replica(
+                command, replica=replica, slot=slot, ranks=ranks, run_dir=self._run_dir,
+                on_leader=partial(self.workers.__setitem__, replica),
+                agent_id=self.config.agent_id, agent_address=self._channel_address,
+                job_id=self._job.job_id, log_dir=log_dir, transfer_host=self._transfer_host,
+                warm=self._warm)
         except OSError as exc:
             # As if it died at once, with the reason as its last words: the controller
             # then fails a job that cannot start (or recovers a running one).
+            self.workers.pop(replica, None)
             log.error("cannot run the worker command %r: %s", command[0], exc.strerror,
                       extra={"replica": replica})
             self._upstream.put_nowait(pb.AgentMessage(worker_exited=pb.WorkerExited(
                 replica=replica, exit_code=127, observed_at=time.time(),
                 output_tail=f"cannot run the worker command {command[0]!r}: {exc.strerror}")))
             return
-        self.workers[replica] = worker
-        self._tasks.append(asyncio.create_task(self._watch(worker)))
-        log.info("spawned worker pid %d on slot %d%s", worker.pid, slot,
-                 " (forked warm)" if worker.warm else "",
-                 extra={"replica": replica})
+        for process in worker.ranks:
+            self._tasks.append(asyncio.create_task(self._watch(process, worker)))
+        log.info("spawned worker pid%s %s on slot%s %s%s", "s" if ranks > 1 else "",
+                 ", ".join(str(p.pid) for p in worker.ranks), "s" if ranks > 1 else "",
+                 f"{slot}..{slot + ranks - 1}" if ranks > 1 else slot,
+                 " (forked warm)" if worker.warm else "", extra={"replica": replica})
 
     def _adopt(self, slot: int, replica: int, pid: int) -> None:
         """The attached process becomes this slot's worker; it learns so from the attach file."""
         process = AttachedProcess(pid)
         worker = WorkerProcess(replica, slot, process)
         self.workers[replica] = worker
-        self._tasks.append(asyncio.create_task(self._watch(worker)))
+        self._tasks.append(asyncio.create_task(self._watch(worker, worker)))
         if process.watch() and self.config.attach_file:
             write_attach_file(Path(self.config.attach_file), replica=replica, slot=slot,
                               agent_address=self._channel_address,
                               transfer_host=self._transfer_host)
         log.info("attached process %d on slot %d", pid, slot, extra={"replica": replica})
 
-    async def _watch(self, worker: WorkerProcess) -> None:
-        returncode = await worker.process.wait()
-        worker.kill_group()  # what the worker started (a data loader, a wrapper's child) goes too
-        worker.commands.put_nowait(None)
-        if self._shutdown is not None:
+    async def _watch(self, process: WorkerProcess, worker: WorkerProcess) -> None:
+        """Wait for one process of `worker`'s replica (`worker` is its rank 0). The first
+        of a replica's ranks to exit loses the whole replica: the others are killed at once
+        (a survivor of a broken replica would otherwise wait in a collective for its
+        timeout) and the replica's exit is reported once, with what the first one said."""
+        returncode = await process.process.wait()
+        process.kill_group()  # what the worker started (a data loader, a wrapper's child) goes too
+        process.commands.put_nowait(None)
+        if process.log_file is not None:  # one descriptor per restart would add up
+            process.log_file.close()
+            process.log_file = None
+        if self._shutdown is not None or worker.lost:
             return
-        report = exit_report(worker, returncode)
+        worker.lost = True
+        siblings = [p for p in worker.ranks if p is not process and p.process.returncode is None]
+        for sibling in siblings:
+            sibling.killed_by_agent = f"rank {process.rank} of its replica exited"
+            sibling.kill()
+        if siblings:
+            log.warning("rank %d exited: killed the replica's other ranks (pids %s)",
+                        process.rank, ", ".join(str(p.pid) for p in siblings),
+                        extra={"replica": worker.replica})
+        report = exit_report(process, returncode)
+        # The rank that noted an injected fault or a user error is the replica's cause, even
+        # if a sibling blocked on it went first (the watchdog may judge either of them).
+        cause = next((p for p in worker.ranks if p.fault is not None or p.error is not None), None)
+        if cause is not None and cause is not process:
+            if cause.fault is not None:
+                report.fault.CopyFrom(cause.fault)
+            if cause.error is not None:
+                report.error.CopyFrom(cause.error)
         self._upstream.put_nowait(pb.AgentMessage(worker_exited=report))
         log.warning("worker exited (code %d, signal %d)", report.exit_code, report.signal,
                     extra={"replica": worker.replica})
@@ -317,12 +348,9 @@ class Agent:
         times = [t for t in self.restarts.get(worker.slot, []) if now - t < window]
         decision = decide_restart(worker.slot, recent_restarts(times, now, window),
                                   self.config.max_restarts, job_over=self._shutdown is not None,
-                                  deterministic_error=worker.error is not None
-                                  and worker.error.deterministic, window_s=window)
+                                  deterministic_error=process.error is not None
+                                  and process.error.deterministic, window_s=window)
         log.info("%s", decision.reason, extra={"replica": worker.replica})
-        if worker.log_file is not None:  # one descriptor per restart would add up
-            worker.log_file.close()
-            worker.log_file = None
         if decision.restart:
             self.restarts[worker.slot] = [*times, now]
             await self._request_replica(worker.slot, f"replica {worker.replica} exited",
@@ -357,8 +385,8 @@ class Agent:
                     self._forward(pb.WorkerCommand(commit=commit), [replica])
         elif kind == "shutdown":
             self._shutdown = message.shutdown
-            for worker in self.workers.values():
-                worker.commands.put_nowait(pb.WorkerCommand(shutdown=message.shutdown))
+            for process in every_process(self.workers):
+                process.commands.put_nowait(pb.WorkerCommand(shutdown=message.shutdown))
             return True
         elif kind == "donate":
             self._forward(pb.WorkerCommand(donate=message.donate), [message.donate.donor])
@@ -377,9 +405,11 @@ class Agent:
                                                                    assigned.replica)))
         elif kind == "stop_replica":
             worker = self.workers.get(message.stop_replica.replica)
-            if worker is not None and worker.process.returncode is None:
-                worker.killed_by_agent = f"stopped by the controller: {message.stop_replica.reason}"
-                worker.kill()
+            for process in worker.ranks if worker is not None else []:
+                if process.process.returncode is None:
+                    process.killed_by_agent = ("stopped by the controller: "
+                                               f"{message.stop_replica.reason}")
+                    process.kill()
         return False
 
     async def _request_replica(self, slot: int, reason: str, delay_s: float) -> None:
@@ -391,5 +421,6 @@ class Agent:
     def _forward(self, command: pb.WorkerCommand, replicas: Iterable[int] | None = None) -> None:
         for replica in self._members if replicas is None else replicas:
             worker = self.workers.get(replica)
-            if worker is not None and worker.process.returncode is None:
-                worker.commands.put_nowait(command)
+            for process in worker.ranks if worker is not None else []:
+                if process.process.returncode is None:
+                    process.commands.put_nowait(command)

@@ -19,6 +19,7 @@ from recover.proto import pb, rpc
 log = logging.getLogger("recover.agent")
 
 REPLICA_METADATA_KEY = "recover-replica"
+RANK_METADATA_KEY = "recover-rank"
 
 
 class WorkerChannelService(rpc.WorkerChannelServicer):
@@ -36,9 +37,11 @@ class WorkerChannelService(rpc.WorkerChannelServicer):
         metadata = dict(context.invocation_metadata() or ())
         try:
             replica = int(metadata.get(REPLICA_METADATA_KEY, ""))
+            rank = int(metadata.get(RANK_METADATA_KEY, "0"))
         except ValueError:
             return None
-        return self._workers.get(replica)
+        worker = self._workers.get(replica)
+        return worker.ranks[rank] if worker is not None and 0 <= rank < len(worker.ranks) else None
 
     async def Attach(  # noqa: N802 (gRPC method name)
         self, request_iterator: AsyncIterator[pb.WorkerReport], context: grpc.aio.ServicerContext
@@ -52,6 +55,8 @@ class WorkerChannelService(rpc.WorkerChannelServicer):
         async def read() -> None:
             try:
                 async for report in request_iterator:
+                    if worker.rank != 0:
+                        continue  # rank 0 speaks for its replica, once all ranks agreed
                     report.replica = worker.replica  # a worker speaks only for itself
                     self._relay(report)
             except (grpc.aio.AioRpcError, asyncio.CancelledError):

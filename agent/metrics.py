@@ -2,15 +2,15 @@
 
 | metric | type | meaning |
 |---|---|---|
-| `recover_agent_workers` | gauge, by state | workers running / exited |
-| `recover_agent_worker_exits_total` | counter, by cause | exits reported (crash, watchdog) |
+| `recover_agent_workers` | gauge, by state | worker processes (every rank of a replica) running / exited |
+| `recover_agent_worker_exits_total` | counter, by cause | crash, watchdog, agent (stopped, sibling lost) |
 | `recover_agent_generation` | gauge | newest generation this agent forwarded |
 | `recover_agent_heartbeats_total` | counter | heartbeats sent to the controller |
 | `recover_agent_leader_term` | gauge | highest controller leadership term seen |
 | `recover_agent_fenced_commands_total` | counter | commands refused (a lower term, or an older generation) |
 | `recover_agent_reconnects_total` | counter | sessions re-opened with a new leader (workers kept running) |
 | `recover_agent_reports_relayed_total` | counter | worker reports relayed upstream |
-| `recover_agent_worker_progress_age_seconds` | gauge, by replica | since the worker's last liveness beat |
+| `recover_agent_worker_progress_age_seconds` | gauge, by replica, rank | since its last liveness beat |
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Protocol
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from recover.agent.workers import WorkerProcess
+from recover.agent.workers import WorkerProcess, every_process
 from recover.common import progress
 
 
@@ -44,7 +44,7 @@ class AgentCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         agent = self._agent
-        workers = list(agent.workers.values())
+        workers = every_process(agent.workers)
         running = sum(w.process.returncode is None for w in workers)
         states = GaugeMetricFamily("recover_agent_workers", "Workers by state", labels=["state"])
         states.add_metric(["running"], running)
@@ -53,8 +53,11 @@ class AgentCollector(Collector):
         exits = CounterMetricFamily("recover_agent_worker_exits", "Worker exits by cause",
                                     labels=["cause"])
         exited = [w for w in workers if w.process.returncode is not None]
-        exits.add_metric(["watchdog"], sum(bool(w.killed_by_agent) for w in exited))
-        exits.add_metric(["crash"], sum(not w.killed_by_agent for w in exited))
+        watchdog = sum(w.killed_by_agent.startswith("watchdog") for w in exited)
+        crashes = sum(not w.killed_by_agent for w in exited)
+        exits.add_metric(["watchdog"], watchdog)
+        exits.add_metric(["agent"], len(exited) - watchdog - crashes)
+        exits.add_metric(["crash"], crashes)
         yield exits
         yield GaugeMetricFamily("recover_agent_generation", "Newest generation forwarded",
                                 value=agent.generation)
@@ -69,10 +72,11 @@ class AgentCollector(Collector):
         yield CounterMetricFamily("recover_agent_reports_relayed", "Worker reports relayed",
                                   value=agent.reports_relayed)
         ages = GaugeMetricFamily("recover_agent_worker_progress_age_seconds",
-                                 "Seconds since a worker's last liveness beat", labels=["replica"])
+                                 "Seconds since a worker's last liveness beat",
+                                 labels=["replica", "rank"])
         now = time.monotonic()
         for worker in workers:
             snapshot = progress.read(worker.progress_path) if worker.progress_path else None
             if worker.process.returncode is None and snapshot is not None and snapshot.beat_at > 0:
-                ages.add_metric([str(worker.replica)], now - snapshot.beat_at)
+                ages.add_metric([str(worker.replica), str(worker.rank)], now - snapshot.beat_at)
         yield ages

@@ -8,7 +8,7 @@ import asyncio
 import logging
 import time
 
-from recover.agent.workers import WorkerProcess
+from recover.agent.workers import WorkerProcess, every_process
 from recover.common import progress
 from recover.proto import pb
 
@@ -24,7 +24,7 @@ async def watch_for_hangs(workers: dict[int, WorkerProcess], job: pb.JobConfig) 
     first_grace_s = job.first_microbatch_grace_s or progress.FIRST_MICROBATCH_GRACE_S
     while True:
         await asyncio.sleep(progress.BEAT_PERIOD_S)
-        for worker in list(workers.values()):
+        for worker in every_process(workers):
             if worker.process.returncode is not None or worker.killed_by_agent:
                 continue
             verdict = await hang_verdict(worker, timeout_s, factor, first_grace_s)

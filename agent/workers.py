@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -35,6 +36,17 @@ class WorkerProcess:
     """What it reported about an error in the user's code before exiting, if anything."""
     log_path: Path | None = None
     commands: asyncio.Queue[pb.WorkerCommand | None] = field(default_factory=asyncio.Queue)
+    rank: int = 0
+    """Its rank within its replica (0 for single-process replicas; rank 0 speaks for it)."""
+    siblings: list[WorkerProcess] = field(default_factory=list)
+    """On rank 0 of a replica of several ranks: ranks 1.. (the replica is lost as a unit)."""
+    lost: bool = False
+    """On rank 0: one of the replica's ranks exited and the replica was reported lost."""
+
+    @property
+    def ranks(self) -> list[WorkerProcess]:
+        """Every process of the replica this rank-0 worker stands for, in rank order."""
+        return [self, *self.siblings]
 
     @property
     def pid(self) -> int:
@@ -97,6 +109,11 @@ def output_tail(path: Path | None) -> str:
     return "\n".join(lines[-OUTPUT_TAIL_LINES:])
 
 
+def every_process(workers: dict[int, WorkerProcess]) -> list[WorkerProcess]:
+    """Every worker process of the agent, each replica's ranks in order."""
+    return [process for worker in workers.values() for process in worker.ranks]
+
+
 def base_environment() -> dict[str, str]:
     """What every worker of this agent has in its environment (the warm interpreter too)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -119,9 +136,13 @@ async def spawn_worker(
     progress_path: Path | None = None,
     transfer_host: str = "127.0.0.1",
     warm: WarmStarter | None = None,
+    rank: int = 0,
+    ranks: int = 1,
+    replica_store: Path | None = None,
 ) -> WorkerProcess:
     """Start one worker with its identity in RECOVER_* variables (like torchrun's RANK):
-    forked from the warm interpreter when there is one, else as a fresh process."""
+    forked from the warm interpreter when there is one, else as a fresh process. A rank of a
+    replica of several also gets its rank and the file its replica's group meets on."""
     env = base_environment()
     env.update({
         "RECOVER_REPLICA_ID": str(replica),
@@ -134,18 +155,24 @@ async def spawn_worker(
         "RECOVER_AGENT_PID": str(os.getpid()),
         # Where the worker accepts a donor's state when it joins a running job.
         "RECOVER_TRANSFER_HOST": transfer_host,
+        "RECOVER_RANK_IN_REPLICA": str(rank),
+        "RECOVER_RANKS_PER_REPLICA": str(ranks),
     })
+    if replica_store is not None:
+        # A FileStore: the replica's ranks share this host, and a file needs no port.
+        env["RECOVER_REPLICA_STORE"] = str(replica_store)
     if progress_path is not None:
         progress.create(progress_path)
         env["RECOVER_PROGRESS_FILE"] = str(progress_path)
     log_path = None
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = log_dir / f"replica-{replica}.log"
+        log_path = log_dir / (f"replica-{replica}.log" if rank == 0
+                              else f"replica-{replica}-rank{rank}.log")
     forked = await warm.spawn(env, os.getcwd(), log_path) if warm is not None else None
     if forked is not None:
         return WorkerProcess(replica, slot, forked, None, progress_path=progress_path,
-                             log_path=log_path)
+                             log_path=log_path, rank=rank)
     log_file = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115 (owned by WorkerProcess)
     # A process group of its own (start_new_session), so that kill() reaches everything
     # the worker command started.
@@ -153,7 +180,7 @@ async def spawn_worker(
         *resolve_command(command), env=env, stdin=asyncio.subprocess.DEVNULL,
         stdout=log_file, stderr=log_file, start_new_session=True)
     return WorkerProcess(replica, slot, process, log_file, progress_path=progress_path,
-                         log_path=log_path)
+                         log_path=log_path, rank=rank)
 
 
 def exit_report(worker: WorkerProcess, returncode: int) -> pb.WorkerExited:
@@ -178,7 +205,8 @@ def exit_report(worker: WorkerProcess, returncode: int) -> pb.WorkerExited:
 
 
 async def stop_workers(workers: list[WorkerProcess], grace_s: float) -> None:
-    """Wait up to `grace_s` for workers to leave on their own, then kill the rest."""
+    """Wait up to `grace_s` for workers (every process: see every_process) to leave on
+    their own, then kill the rest."""
     alive = [w for w in workers if w.process.returncode is None]
     if not alive:
         return
@@ -192,3 +220,33 @@ async def stop_workers(workers: list[WorkerProcess], grace_s: float) -> None:
     for worker in workers:
         if worker.log_file is not None:
             worker.log_file.close()
+
+
+async def spawn_replica(command: list[str], *, replica: int, slot: int, ranks: int,
+                        run_dir: Path, on_leader: Callable[[WorkerProcess], None],
+                        **common: object) -> WorkerProcess:
+    """Start the `ranks` processes of one replica on slots slot .. slot+ranks-1; returns
+    rank 0 with the others as its siblings. `on_leader` gets rank 0 as soon as it runs, and
+    each later rank joins its siblings as soon as it runs: a rank may attach to the agent's
+    channel while the next one is still being started. If one cannot start, those started
+    are killed and the OSError raised: a replica runs whole or not at all."""
+    store = run_dir / f"replica-{replica}.store" if ranks > 1 else None
+    leader: WorkerProcess | None = None
+    try:
+        for rank in range(ranks):
+            suffix = "" if rank == 0 else f"-{rank}"
+            worker = await spawn_worker(
+                command, replica=replica, slot=slot + rank, rank=rank, ranks=ranks,
+                replica_store=store, progress_path=run_dir / f"progress-{replica}{suffix}.bin",
+                **common)  # type: ignore[arg-type]
+            if leader is None:
+                leader = worker
+                on_leader(worker)
+            else:
+                leader.siblings.append(worker)
+    except OSError:
+        for worker in leader.ranks if leader is not None else []:
+            worker.kill()
+        raise
+    assert leader is not None
+    return leader

@@ -207,9 +207,11 @@ def run_local(args: argparse.Namespace) -> int:
                          "the memory store lives in one controller")
     agents = args.agents if args.agents is not None else min(2, job_config.replicas)
     if args.attach is not None:
-        if job_config.replicas != 1 or job_config.spares or (args.agents or 1) != 1:
-            raise UsageError("recover run: a script run by hand trains one replica (RECOVER_ARGS "
-                             "cannot ask for more replicas, spares or agents)")
+        if job_config.replicas != 1 or job_config.spares or (args.agents or 1) != 1 \
+                or job_config.ranks_per_replica > 1:
+            raise UsageError("recover run: a script run by hand trains one replica of one "
+                             "process (RECOVER_ARGS cannot ask for more replicas, ranks, spares "
+                             "or agents)")
         agents = 1
     if not 1 <= agents <= job_config.replicas:
         raise UsageError(f"--agents must be between 1 and --replicas ({job_config.replicas})")
@@ -242,10 +244,11 @@ def run_local(args: argparse.Namespace) -> int:
                      for i, f in enumerate(port_files)]
         address = ",".join(addresses)
         slots_wanted = job_config.replicas + job_config.spares
-        for index, slots in enumerate(split_slots(slots_wanted, agents)):
+        ranks = max(job_config.ranks_per_replica, 1)  # a replica's ranks share an agent
+        for index, replicas in enumerate(split_slots(slots_wanted, agents)):
             job.start(f"agent-{index}", [
                 python, "-m", "recover.cli.main", "agent", "--controller", address,
-                "--slots", str(slots), "--agent-id", f"host{index}", "--log-dir", str(job.logs),
+                "--slots", str(replicas * ranks), "--agent-id", f"host{index}", "--log-dir", str(job.logs),
                 "--max-restarts", str(args.max_restarts),
                 "--restart-window", str(args.restart_window),
                 *(["--cold-start"] if args.cold_start else []),

@@ -186,6 +186,26 @@ def _check_kills(texts: list[str], args: argparse.Namespace) -> str | None:
         if spec.replica >= args.replicas and spec.phase not in ANY_REPLICA_PHASES:
             return (f"--kill {text!r}: replica {spec.replica} does not exist "
                     f"(replicas are 0..{args.replicas - 1})")
+        if spec.rank >= args.ranks_per_replica:
+            return (f"--kill {text!r}: rank {spec.rank} does not exist (a replica has "
+                    f"{args.ranks_per_replica} rank{'s' if args.ranks_per_replica > 1 else ''}, "
+                    "--ranks-per-replica)")
+    return None
+
+
+MAX_RANKS_PER_REPLICA = 1024
+
+
+def _check_ranks_per_replica(ranks: int, args: argparse.Namespace) -> str | None:
+    """What sharded replicas cannot do yet, refused before anything starts (not mid-run)."""
+    if ranks > MAX_RANKS_PER_REPLICA:
+        return f"--ranks-per-replica must be at most {MAX_RANKS_PER_REPLICA}, got {ranks}"
+    if ranks == 1:
+        return None
+    for flag, value in (("--spares", args.spares), ("--checkpoint-dir", args.checkpoint_dir)):
+        if value:
+            return (f"{flag} does not work with --ranks-per-replica {ranks} yet: a replica of "
+                    "several ranks cannot receive a donor's state nor write a checkpoint")
     return None
 
 
@@ -244,6 +264,12 @@ SETTINGS: tuple[Setting, ...] = (
                  "lost replica's place at the next step (default 0)",
             check=lambda v, a: None if 0 <= v <= MAX_REPLICAS else (
                 f"--spares must be between 0 and {MAX_REPLICAS}, got {v}")),
+    Setting("--ranks-per-replica", "ranks_per_replica", type=positive_int, default=1,
+            absent_is_default=True,
+            help="worker processes per replica (default 1): a replica shards its model over "
+                 "its ranks (FSDP2 on recover.trainer's Job.replica_mesh) and is lost as a "
+                 "unit; an agent's slots hold whole replicas",
+            check=_check_ranks_per_replica),
     Setting("--global-microbatches", "global_microbatches", short="-M", type=positive_int,
             default=16, help="microbatches summed by every step, whatever survives (default 16)",
             check=_checks(

@@ -37,13 +37,15 @@ def register_agent(d: Draft, agent_id: str, host: str, slots: int,
     admission = admit_agent(
         agent_id, host, slots, job_id=v.job.job_id, job_state=v.state,
         taking_over=v.takeover is not None and v.takeover.persisted.view is not None,
-        known_agents=v.agents.keys(), capacity=capacity(d))
+        known_agents=v.agents.keys(), capacity=capacity(d),
+        ranks_per_replica=v.job.ranks_per_replica)
     if not admission.admitted:
         raise RegistrationRefused(admission.reason)
     ids = list(admission.replica_ids)
     d.put_agent(Agent(agent_id, host, tuple(ids), subject=subject))
-    for slot, replica in enumerate(ids):
-        d.put_replica(Replica(replica, agent_id, slot=slot))
+    ranks = max(v.job.ranks_per_replica, 1)
+    for index, replica in enumerate(ids):  # a replica's ranks on consecutive slots
+        d.put_replica(Replica(replica, agent_id, slot=index * ranks))
     agent_record(d, agent_id)
     d.emit("agent-registered", admission.reason)
     d.send(agent_id, pb.ControllerMessage(
@@ -58,7 +60,8 @@ def replica_request(d: Draft, agent_id: str, request: pb.ReplicaRequest) -> None
     admission = admit_replacement(
         agent_id, request.slot, agent_alive=agent is not None and agent.alive,
         job_id=v.job.job_id, job_state=v.state,
-        taking_over=v.takeover is not None, capacity=capacity(d))
+        taking_over=v.takeover is not None, capacity=capacity(d),
+        ranks_per_replica=v.job.ranks_per_replica)
     if agent is None or not admission.admitted:
         d.send(agent_id, pb.ControllerMessage(replica_assigned=pb.ReplicaAssigned(
             slot=request.slot, refused=admission.reason, retryable=v.takeover is not None)))
@@ -79,7 +82,7 @@ def maybe_start(d: Draft, grace_s: float) -> None:
         ready=sum(r.ready for r in live), live=len(live), target=d.v.job.replicas,
         min_replicas=d.v.job.min_replicas,
         startup_failure_for_s=None if failed_at is None else d.now - failed_at,
-        grace_s=grace_s)
+        grace_s=grace_s, late_can_join=d.v.job.ranks_per_replica <= 1)
     if decision.start and d.v.takeover is None:
         _start(d, decision.reason)
 

@@ -41,7 +41,8 @@ from recover.common import logs
 from recover.common.lifetime import die_with_parent
 from recover.common.progress import ProgressBeacon
 from recover.proto import pb
-from recover.trainer import standalone
+from recover.trainer import replica as replica_ranks
+from recover.trainer import sharding, standalone
 from recover.trainer.buffers import BUFFER_MODES, reduced_buckets
 from recover.trainer.channel import AgentChannel, ChannelClosed
 from recover.trainer.checkpoint import CheckpointWriter
@@ -51,6 +52,7 @@ from recover.trainer.executor import StepExecutor
 from recover.trainer.faults import hooks_for
 from recover.trainer.gradients import GradientBuckets, GradientLayoutError
 from recover.trainer.reduction import make_accumulator
+from recover.trainer.replica import Lockstep, ReplicaBroken, ReplicaRanks
 from recover.trainer.sources import as_source
 from recover.trainer.statewire import StateEncodingError, encode
 from recover.trainer.transfer import Listener
@@ -85,10 +87,17 @@ class Job:
     device: torch.device
     """Where this replica's model should live: its slot's GPU when there is one, else the CPU."""
     replica_rank: int = 0
-    """Rank within the replica (0: replicas are one process each for now)."""
+    """Rank within the replica (0 .. replica_size-1)."""
     replica_size: int = 1
-    """Processes per replica (1 for now; FSDP and pipeline replicas will have more)."""
+    """Processes (ranks) per replica: `--ranks-per-replica`, 1 by default."""
+    replica_mesh: Any = None
+    """With several ranks per replica: a 1-D DeviceMesh over them, to shard the model on
+    (``fully_shard(module, mesh=job.replica_mesh)``); None for one-process replicas."""
+    replica_group: Any = None
+    """With several ranks per replica: their process group (torch's default group here; it
+    never spans replicas). None for one-process replicas."""
     _channel: AgentChannel | None = field(default=None, repr=False, compare=False)
+    _ranks: ReplicaRanks | None = field(default=None, repr=False, compare=False)
     _proto: pb.JobConfig | None = field(default=None, repr=False, compare=False)
 
 
@@ -159,11 +168,21 @@ def init() -> Job:
     logs.configure("worker")
     if not _die_with_agent():
         _exit(EXIT_AGENT_GONE, "the agent exited before this worker started")
-    channel = AgentChannel(address, replica)
+    rank, size = replica_ranks.from_environment()
+    channel = AgentChannel(address, replica, rank=rank)
     try:
         welcome = channel.connect()
     except ChannelClosed as exc:
         _exit(EXIT_AGENT_GONE, f"replica {replica}: {exc}")
+    ranks = None
+    if size > 1:
+        if rank:
+            channel.follow_only()
+        store = os.environ.get("RECOVER_REPLICA_STORE", "")
+        if not store:
+            _exit(EXIT_NOT_LAUNCHED, "recover.trainer.init(): RECOVER_REPLICA_STORE is not set "
+                  "for a replica of several ranks")
+        ranks = replica_ranks.join_replica(rank, size, store)
     proto = welcome.job
     try:
         config = json.loads(proto.workload.config_json) if proto.workload.config_json else {}
@@ -172,7 +191,10 @@ def init() -> Job:
     _job = Job(job_id=proto.job_id, replica=replica, replicas=proto.replicas, steps=proto.steps,
                global_microbatches=proto.global_microbatches, seed=proto.seed,
                reduce=proto.reduce or "fast", config=config, device=_device(slot),
-               _channel=channel, _proto=proto)
+               replica_rank=rank, replica_size=size,
+               replica_mesh=ranks.mesh if ranks else None,
+               replica_group=ranks.group if ranks else None,
+               _channel=channel, _proto=proto, _ranks=ranks)
     return _job
 
 
@@ -219,6 +241,9 @@ def train(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     try:
         workload = _workload(job, model, optimizer, microbatches, loss_fn, forward_backward,
                              lr_scheduler, max_grad_norm, on_step_committed, extra_state, buffers)
+        lockstep = Lockstep(job._ranks) if job._ranks is not None else None
+        if lockstep is not None:
+            sharding.prepare(workload, lockstep)
         if workload.buffer_warning and job.replica == 0:
             log.warning("%s", workload.buffer_warning, extra={"replica": job.replica})
         try:
@@ -235,17 +260,20 @@ def train(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                                samples_per_microbatch=workload.source.samples_per_microbatch or 0)
         first_step = proto.resume.step if proto.resume.path else 0
         hooks = hooks_for(proto.testing, job.replica, channel.note_fault,
-                          beacon.mark_killed if beacon is not None else None)
+                          beacon.mark_killed if beacon is not None else None, job.replica_rank)
         executor = StepExecutor(proto, job.replica, channel, workload, grads, accumulator,
                                 first_step=first_step, beacon=beacon, listener=listener,
                                 hooks=hooks)
+        executor.lockstep = lockstep
         if proto.resume.path:
             executor.resume = proto.resume  # loaded at the first generation, if no donor's first
-        _check_state_travels(executor)
+        if lockstep is None:  # a replica of several ranks is never sent nor checkpointed (yet)
+            _check_state_travels(executor)
         wanted = proto.check_determinism if check_determinism is None else check_determinism
         if wanted:  # on the model as built: every replica, joiners too, checks the same thing
             checked = run_determinism_check(workload, grads, step=0)
-            info.determinism_sha256 = checked.gradient_sha256
+            info.determinism_sha256 = checked.gradient_sha256 if lockstep is None \
+                else lockstep.combine_digest(checked.gradient_sha256)
             log.info("determinism check passed (gradient %s)", checked.gradient_sha256[:12],
                      extra={"replica": job.replica})
         if proto.checkpoint.dir:
@@ -259,6 +287,8 @@ def train(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
         _report_and_exit(channel, exc)
     except ChannelClosed as exc:
         _exit(EXIT_AGENT_GONE, f"replica {job.replica} stopping: {exc}")
+    except ReplicaBroken as exc:  # a sibling rank died: the agent is ending this replica
+        _exit(EXIT_AGENT_GONE, f"replica {job.replica} rank {job.replica_rank} stopping: {exc}")
     finally:
         if executor is not None and executor.checkpoints is not None:
             executor.checkpoints.close()

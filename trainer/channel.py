@@ -19,6 +19,7 @@ from recover.proto import pb, rpc
 log = logging.getLogger("recover.trainer")
 
 REPLICA_METADATA_KEY = "recover-replica"
+RANK_METADATA_KEY = "recover-rank"
 
 
 class ChannelClosed(Exception):
@@ -27,12 +28,15 @@ class ChannelClosed(Exception):
 
 class AgentChannel:
     def __init__(self, address: str, replica: int,
-                 on_generation: Callable[[int], None] | None = None) -> None:
+                 on_generation: Callable[[int], None] | None = None, rank: int = 0) -> None:
         self.replica = replica
+        self.rank = rank
+        """Rank within a replica of several: only rank 0 reports (replica.py says why)."""
         self._on_generation = on_generation
         self._channel = grpc.insecure_channel(address)
         self._stub = rpc.WorkerChannelStub(self._channel)
-        self._metadata = ((REPLICA_METADATA_KEY, str(replica)),)
+        self._metadata = ((REPLICA_METADATA_KEY, str(replica)), (RANK_METADATA_KEY, str(rank)))
+        self._keep_commands = True
         self._outgoing: queue.SimpleQueue[pb.WorkerReport | None] = queue.SimpleQueue()
         self._incoming: queue.SimpleQueue[pb.WorkerCommand | None] = queue.SimpleQueue()
         self._receiver: threading.Thread | None = None
@@ -65,14 +69,22 @@ class AgentChannel:
             for command in responses:
                 if command.WhichOneof("kind") == "generation" and self._on_generation is not None:
                     self._on_generation(command.generation.generation)
-                self._incoming.put(command)
+                if self._keep_commands:
+                    self._incoming.put(command)
         except grpc.RpcError as exc:
             if not self._closing:  # our own close() cancels the stream: not a failure
                 log.warning("agent channel failed: %s", exc.code().name)
         finally:
             self._incoming.put(None)
 
+    def follow_only(self) -> None:
+        """Ranks 1.. of a replica: commands come from rank 0 (replica.Lockstep); this
+        channel still sees every generation, to abort a collective, but keeps no command."""
+        self._keep_commands = False
+
     def send(self, report: pb.WorkerReport) -> None:
+        if self.rank != 0:
+            return  # rank 0 speaks for the replica, once its ranks agreed
         report.replica = self.replica
         self._outgoing.put(report)
 

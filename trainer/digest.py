@@ -13,11 +13,19 @@ def tensor_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     too, so a reinterpretation of the same bytes cannot collide."""
     h = hashlib.sha256()
     for name, tensor in named:
+        tensor = local_part(tensor)
         t = tensor.detach().to("cpu").contiguous().reshape(-1)
         h.update(f"{name}|{t.dtype}|{tuple(tensor.shape)}|".encode())
         # Viewing as uint8 lets numpy expose the buffer for any dtype (bfloat16 included).
         h.update(memoryview(t.view(torch.uint8).numpy()))
     return h.hexdigest()
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded (DTensor) tensor, a plain tensor as it is: a digest or
+    a gradient bucket covers what this process holds (replica.py combines the ranks')."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
 
 
 def parameter_digest(model: torch.nn.Module) -> str:

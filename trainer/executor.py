@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 from recover.proto import pb
 from recover.trainer.checkpoint import FINAL_WRITE_WAIT_S
@@ -43,13 +44,21 @@ class StepExecutor(JoinSteps):
     def run(self, ready: pb.Ready) -> pb.Shutdown:
         self.hooks.on_startup(self.state.step)
         self.channel.send(pb.WorkerReport(ready=ready))
+        lockstep = self.lockstep
         try:
             while True:
+                if lockstep is not None and not lockstep.ranks.leads:
+                    self._follow(lockstep.follow())
+                    continue
                 command = self.channel.poll() if self._has_work() else \
                     self.channel.next_command(ORPHAN_WAIT_S)
                 if command is not None:
+                    if lockstep is not None:
+                        lockstep.lead(command)
                     self._handle(command)
                 elif self._has_work():
+                    if lockstep is not None:
+                        lockstep.lead(None)
                     self._work()
                 elif self.group is None and self.generation > 0 and not self.finished:
                     raise RuntimeError(f"no new generation {ORPHAN_WAIT_S:.0f}s after the group "
@@ -58,6 +67,14 @@ class StepExecutor(JoinSteps):
             return ended.shutdown
         finally:
             self._install_group(None)
+
+    def _follow(self, command: pb.WorkerCommand | None) -> None:
+        """Ranks 1.. of a replica make rank 0's move (replica.Lockstep): its command, or
+        the next piece of work, which their state (the same commands) makes the same."""
+        if command is not None:
+            self._handle(command)
+        else:
+            self._work()
 
     def _has_work(self) -> bool:
         s = self.state
@@ -117,7 +134,8 @@ class StepExecutor(JoinSteps):
         group = self.build_group(GroupSpec(
             generation=view.generation, rank=self.members.index(self.replica),
             world_size=len(self.members), store_host=host, store_port=int(port),
-            timeout_s=self.job.group_timeout_s or 30.0, secret=view.rendezvous_prefix))
+            timeout_s=self.job.group_timeout_s or 30.0, secret=view.rendezvous_prefix,
+            shard=self.lockstep.ranks.rank if self.lockstep is not None else 0))
         self._install_group(group)
         if recovering:
             self.hooks.on_rebuild(self.state.step)
@@ -182,25 +200,38 @@ class StepExecutor(JoinSteps):
 
     def _reduce(self) -> None:
         s, group = self.state, self.group
-        assert group is not None
         started = time.perf_counter()
         # Copies: an interrupted allreduce leaves its buffer partially reduced,
         # and the local accumulation must survive for the next generation.
         buffers = self.accumulator.buffers()
         self.hooks.before_reduce(s.step)
+        failure = None if group is not None else f"no group of generation {self.generation}"
         try:
-            for buffer in buffers:
+            for buffer in buffers if group is not None else []:
                 group.allreduce_sum_(buffer)
         except CollectiveAborted as exc:
-            log.warning("reduction of step %d aborted: %s", s.step, exc, extra=self._ctx())
+            failure = str(exc)
+        reduced = self.accumulator.finish(buffers) if failure is None else None
+        tokens = s.tokens
+        if self.lockstep is not None:
+            # The replica reduced only if each of its ranks did (each its own shard).
+            agreed = self.lockstep.agree(reduced is not None, reduced.loss if reduced else 0.0,
+                                         tokens, reduced.overflow if reduced else 0)
+            if failure is None and not agreed.reduced:
+                failure = "another rank of this replica could not reduce its shard"
+            if reduced is not None:
+                reduced = replace(reduced, loss=agreed.loss, overflow=agreed.overflow)
+            tokens = agreed.tokens
+        if failure is not None or reduced is None:
+            log.warning("reduction of step %d aborted: %s", s.step, failure, extra=self._ctx())
             self._install_group(None)
             return
-        s.reduced = self.accumulator.finish(buffers)
+        s.reduced = reduced
         self.channel.send(pb.WorkerReport(reduced=pb.Reduced(
             generation=self.generation, step=s.step, microbatch_ids=s.done,
             sample_ids=s.sample_ids, loss=s.reduced.loss, compute_s=s.compute_s,
             reduce_s=time.perf_counter() - started, overflow=s.reduced.overflow,
-            scale_epoch=s.scale_epoch, tokens=s.tokens)))
+            scale_epoch=s.scale_epoch, tokens=tokens)))
         self._reported_at = time.perf_counter()
         self.hooks.after_reported(s.step)
 

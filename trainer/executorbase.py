@@ -30,6 +30,7 @@ from recover.trainer.groups import CrossReplicaGroup, GroupFactory, build_group
 from recover.trainer.hooks import StepHooks
 from recover.trainer.joining import Donation
 from recover.trainer.reduction import Accumulator
+from recover.trainer.replica import Lockstep
 from recover.trainer.stepstate import StepState
 from recover.trainer.transfer import Listener
 from recover.trainer.workload import Workload
@@ -77,6 +78,8 @@ class ExecutorBase(ABC):
         """The state came from a donor or a checkpoint (else: the model as the user built it)."""
         self.resume: pb.ResumePoint | None = None
         """A checkpoint to load before the first generation, unless a donor's state came first."""
+        self.lockstep: Lockstep | None = None
+        """A replica of several ranks: how its ranks keep in step (replica.py); None else."""
         self.built_tensors: OwnTensors | None = None
         """The state as built, offered to a join's snapshot to be received into in place."""
         # Guards the hand-over between the receiver thread (which learns of new

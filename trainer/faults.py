@@ -57,7 +57,7 @@ class FaultSpecError(ValueError):
 
 
 def parse_fault_spec(text: str) -> pb.FaultSpec:
-    """Parse `step=S,replica=R,phase=P[,microbatch=K]`."""
+    """Parse `step=S,replica=R,phase=P[,microbatch=K][,seconds=X][,rank=N]`."""
     fields: dict[str, str] = {}
     for part in text.split(","):
         key, sep, value = part.strip().partition("=")
@@ -67,7 +67,7 @@ def parse_fault_spec(text: str) -> pb.FaultSpec:
         if key in fields:
             raise FaultSpecError(f"malformed --kill {text!r}: {key!r} given twice")
         fields[key] = value
-    unknown = set(fields) - {"step", "replica", "phase", "microbatch", "seconds"}
+    unknown = set(fields) - {"step", "replica", "phase", "microbatch", "seconds", "rank"}
     if unknown:
         raise FaultSpecError(f"malformed --kill {text!r}: unknown key(s) {sorted(unknown)}")
     missing = {"step", "replica", "phase"} - set(fields)
@@ -78,25 +78,27 @@ def parse_fault_spec(text: str) -> pb.FaultSpec:
     try:
         step, replica = int(fields["step"]), int(fields["replica"])
         microbatch = int(fields.get("microbatch", "-1"))
+        rank = int(fields.get("rank", "0"))
         seconds = float(fields.get("seconds", "1.0" if fields["phase"] == "slow" else "0"))
     except ValueError:
-        raise FaultSpecError(f"malformed --kill {text!r}: step, replica and microbatch "
-                             "must be integers, seconds a number") from None
-    if step < 0 or replica < 0 or microbatch < -1:
+        raise FaultSpecError(f"malformed --kill {text!r}: step, replica, microbatch and "
+                             "rank must be integers, seconds a number") from None
+    if step < 0 or replica < 0 or microbatch < -1 or rank < 0:
         raise FaultSpecError(f"malformed --kill {text!r}: values must not be negative")
     if not 0 <= seconds < 3600:  # also refuses nan and inf
         raise FaultSpecError(f"malformed --kill {text!r}: seconds must be in [0, 3600)")
     if "seconds" in fields and fields["phase"] != "slow":
         raise FaultSpecError(f"malformed --kill {text!r}: seconds= goes with phase=slow only")
     return pb.FaultSpec(step=step, replica=replica, phase=fields["phase"], microbatch=microbatch,
-                        seconds=seconds)
+                        seconds=seconds, rank=rank)
 
 
 def format_fault_spec(spec: pb.FaultSpec) -> str:
     text = f"step={spec.step},replica={spec.replica},phase={spec.phase}"
     if spec.phase == "slow":
         text += f",seconds={spec.seconds!r}"
-    return text + (f",microbatch={spec.microbatch}" if spec.microbatch >= 0 else "")
+    text += f",microbatch={spec.microbatch}" if spec.microbatch >= 0 else ""
+    return text + (f",rank={spec.rank}" if spec.rank else "")
 
 
 def _sigkill_self() -> None:
@@ -110,8 +112,8 @@ class FaultInjector:
     def __init__(self, faults: Iterable[pb.FaultSpec], replica: int,
                  note: Callable[[pb.FaultNote], None],
                  stamp: Callable[[], None] | None = None,
-                 kill: Callable[[], None] = _sigkill_self) -> None:
-        self._faults = [f for f in faults if f.replica == replica]
+                 kill: Callable[[], None] = _sigkill_self, rank: int = 0) -> None:
+        self._faults = [f for f in faults if f.replica == replica and f.rank == rank]
         self._note = note
         self._stamp = stamp
         self._kill = kill
@@ -198,7 +200,12 @@ class MicrobatchFaults(MicrobatchPoints):
             injector.fire(step, "forward")
         if injector.armed(step, "backward", position, count):
             middle = self._params[len(self._params) // 2]
-            self._hook = middle.register_hook(lambda grad: injector.fire(step, "backward"))
+            if hasattr(middle, "to_local"):  # FSDP2 shard: autograd never sees its gradient,
+                # FSDP calls the post-accumulate hooks once it reduce-scattered it (in backward)
+                self._hook = middle.register_post_accumulate_grad_hook(
+                    lambda param: injector.fire(step, "backward"))
+            else:
+                self._hook = middle.register_hook(lambda grad: injector.fire(step, "backward"))
 
     def after_backward(self) -> None:
         if self._hook is not None:
@@ -280,11 +287,11 @@ class FaultHooks(StepHooks):
 
 
 def hooks_for(testing: pb.TestingConfig, replica: int, note: Callable[[pb.FaultNote], None],
-              stamp: Callable[[], None] | None = None) -> StepHooks:
+              stamp: Callable[[], None] | None = None, rank: int = 0) -> StepHooks:
     """The hooks a replica's executor gets: no-ops unless the job injects faults into this
     replica, emulates compute or slows this replica. `note` tells the agent of a fault,
     `stamp` marks the kill in the progress file."""
-    injector = FaultInjector(testing.faults, replica, note, stamp)
+    injector = FaultInjector(testing.faults, replica, note, stamp, rank=rank)
     slowdown = SlowdownSchedule(testing.slowdowns, replica)
     if not injector.has_faults and testing.compute_ms <= 0 and not slowdown:
         return StepHooks()

@@ -19,6 +19,8 @@ from typing import Protocol
 
 import torch
 
+from recover.trainer.digest import local_part
+
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
@@ -66,13 +68,13 @@ class GradientBuckets:
             groups.setdefault((p.device, p.dtype), []).append(p)
         self.buckets: list[Bucket] = []
         for (device, dtype), members in groups.items():
-            sizes = [p.numel() for p in members]
+            sizes = [local_part(p).numel() for p in members]
             flat = torch.zeros(sum(sizes), dtype=dtype, device=device)
             bucket = Bucket(device, dtype, members, sizes, flat)
             offset = 0
             for p, n in zip(members, sizes, strict=True):
-                p.grad = flat[offset:offset + n].view_as(p)
-                bucket.pointers.append(p.grad.data_ptr())
+                p.grad = _grad_view(p, flat[offset:offset + n])
+                bucket.pointers.append(local_part(p.grad).data_ptr())
                 offset += n
             self.buckets.append(bucket)
         self.params = params
@@ -87,10 +89,11 @@ class GradientBuckets:
             offset = 0
             for p, n, pointer in zip(bucket.params, bucket.sizes, bucket.pointers, strict=True):
                 grad = p.grad
-                if grad is None or grad.data_ptr() != pointer:
-                    view = bucket.flat[offset:offset + n].view_as(p)
+                if grad is None or local_part(grad).data_ptr() != pointer:
+                    view = _grad_view(p, bucket.flat[offset:offset + n])
                     if grad is not None:
-                        view.copy_(grad.to_dense() if grad.is_sparse else grad)
+                        local_part(view).copy_(grad.to_dense() if grad.is_sparse
+                                               else local_part(grad))
                     p.grad = view
                 offset += n
 
@@ -103,3 +106,16 @@ class GradientBuckets:
         """E.g. ['cpu float32 x 106,304'] for status and errors."""
         return [f"{b.device} {str(b.dtype).removeprefix('torch.')} x {b.numel:,}"
                 for b in self.buckets]
+
+
+def _grad_view(p: torch.nn.Parameter, flat: torch.Tensor) -> torch.Tensor:
+    """`p`'s gradient as a view of `flat`: for a sharded (DTensor) parameter, a DTensor of
+    the same placements over a view of this rank's shard. FSDP2 then adds each backward's
+    reduce-scattered shard into it in place, as autograd does for a plain `.grad`."""
+    local = local_part(p)
+    if local is p:
+        return flat.view_as(p)
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(flat.view_as(local), p.device_mesh, p.placements,  # type: ignore[attr-defined]
+                              run_check=False, shape=p.shape, stride=p.stride())

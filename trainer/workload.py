@@ -84,6 +84,10 @@ class Workload:
     extra_state: Mapping[str, Stateful] = field(default_factory=dict)
     buffers: str = "reduce"
     """The model's buffers: "reduce" (inside the guarantee, buffers.py) or "local"."""
+    split_batch: Callable[[Any], Any] | None = None
+    """A replica of several ranks: a microbatch -> this rank's slice of it (replica.py)."""
+    combine_digest: Callable[[str], str] | None = None
+    """A replica of several ranks: this rank's digest -> the replica's (a collective)."""
     params: list[torch.nn.Parameter] = field(init=False)
     model_buffers: ModelBuffers | None = field(init=False)
     """The buffers reduced with each step; None when there are none (or "local")."""
@@ -158,6 +162,12 @@ class Workload:
         self.seed_rngs(step, microbatch)
         batch = call_user("microbatches", self.source.batch, step, microbatch,
                           step=step, microbatch=microbatch)
+        if self.split_batch is not None:
+            try:
+                batch = self.split_batch(batch)
+            except ValueError as exc:
+                raise contract_error(str(exc), where="microbatches", step=step,
+                                     microbatch=microbatch) from None
         if self.forward_backward is not None:
             if before_backward is not None:
                 before_backward()
@@ -236,7 +246,8 @@ class Workload:
 
     def digest(self) -> str:
         """The step digest: parameters, and the buffers in the guarantee (digest.model_digest)."""
-        return model_digest(self.model, self.model_buffers.named() if self.model_buffers else ())
+        digest = model_digest(self.model, self.model_buffers.named() if self.model_buffers else ())
+        return self.combine_digest(digest) if self.combine_digest is not None else digest
 
     # ------------------------------------------------------------ state for joins and restores
 

@@ -89,6 +89,15 @@ def assert_bitwise_identical(summary: dict[str, Any], reference: dict[str, Any])
         assert len(set(by_replica.values())) == 1
 
 
+def alive(pid: int) -> bool:
+    """Whether process `pid` exists (a zombie counts: not yet reaped by its parent)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
     """Poll `predicate` until it returns something true (returned), or fail saying what."""
     deadline = time.monotonic() + timeout_s

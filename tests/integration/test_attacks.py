@@ -19,6 +19,7 @@ import pytest
 
 from recover.proto import pb, rpc
 from tests.integration.conftest import (
+    alive,
     assert_bitwise_identical,
     recover_cmd,
     run_recover,
@@ -59,14 +60,6 @@ def status(address: str) -> pb.JobStatus | None:
             return rpc.ControlStub(channel).Status(pb.StatusRequest(), timeout=2)
     except grpc.RpcError:
         return None
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def job_processes(marker: str) -> list[str]:

@@ -35,6 +35,20 @@ ROWS = [
     pytest.param("a", 1, {"job_state": JobState.FAILED}, (), "job j is failed", id="ended"),
     pytest.param("a", 1, {"taking_over": True, "job_state": JobState.RUNNING}, (),
                  "job j is taking over after a leader change", id="takeover-wins-over-state"),
+    # Replicas of several ranks: an agent's slots hold whole replicas, one id per replica.
+    pytest.param("a", 4, {"ranks_per_replica": 2}, (0, 1), "agent a on h: replicas [0, 1]",
+                 id="sharded-one-id-per-replica"),
+    pytest.param("a", 3, {"ranks_per_replica": 2}, (),
+                 "3 slots do not hold whole replicas of 2 ranks", id="sharded-odd-slots"),
+    pytest.param("a", 1, {"ranks_per_replica": 2}, (),
+                 "an agent needs at least 2 slots (a replica's ranks), got 1",
+                 id="sharded-fewer-slots-than-ranks"),
+    pytest.param("b", 4, {"ranks_per_replica": 2, "capacity": Capacity(4, 3, 3)}, (),
+                 "job wants 4 replicas and has 3; 4 more slots (2 replicas) do not fit",
+                 id="sharded-too-many"),
+    pytest.param("c", 2, {"ranks_per_replica": 2, "job_state": JobState.RUNNING,
+                          "capacity": Capacity(4, 2, 6)}, (),
+                 "a replica of 2 ranks cannot join a running job yet", id="sharded-late-host"),
 ]
 
 
@@ -53,6 +67,8 @@ REPLACEMENT_ROWS = [
     pytest.param({"job_state": JobState.SUCCEEDED}, (), "job j is succeeded", id="over"),
     pytest.param({"taking_over": True}, (), "taking over", id="takeover"),
     pytest.param({"job_state": JobState.WAITING}, (5,), "new replica 5", id="during-startup"),
+    pytest.param({"ranks_per_replica": 2}, (), "a replica of 2 ranks is not restarted",
+                 id="sharded-not-restarted"),
 ]
 
 
@@ -77,6 +93,8 @@ START_ROWS = [
     pytest.param(dict(ready=1, live=1, failed_for=11.0, min_replicas=2), False,
                  "at least 2 needed", id="below-min-replicas"),
     pytest.param(dict(ready=6, live=6), True, "6 replicas ready", id="spares-ready-too"),
+    pytest.param(dict(ready=3, live=3, failed_for=11.0, late_can_join=False), False,
+                 "a replica of several ranks cannot join late", id="sharded-starts-with-all"),
 ]
 
 
@@ -84,6 +102,7 @@ START_ROWS = [
 def test_start_decision(case, start, reason):
     decision = start_decision(ready=case["ready"], live=case["live"], target=4,
                               min_replicas=case.get("min_replicas", 1),
-                              startup_failure_for_s=case.get("failed_for"), grace_s=10.0)
+                              startup_failure_for_s=case.get("failed_for"), grace_s=10.0,
+                              late_can_join=case.get("late_can_join", True))
     assert decision.start is start
     assert reason in decision.reason, decision.reason

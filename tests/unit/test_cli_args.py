@@ -84,7 +84,17 @@ USAGE_CASES = [
                  "phase must be one of forward, backward, reduce, commit, rebuild, recompute",
                  id="kill-bad-phase"),
     pytest.param(["run", "--kill", "step=one,replica=0,phase=forward"],
-                 "step, replica and microbatch must be integers", id="kill-non-integer-step"),
+                 "step, replica, microbatch and rank must be integers", id="kill-non-integer-step"),
+    pytest.param(["run", "--kill", "step=1,replica=0,phase=forward,rank=2",
+                  "--ranks-per-replica", "2"],
+                 "rank 2 does not exist (a replica has 2 ranks", id="kill-rank-beyond-replica"),
+    pytest.param(["run", "--ranks-per-replica", "2", "--spares", "1"],
+                 "--spares does not work with --ranks-per-replica 2 yet", id="sharded-spares"),
+    pytest.param(["run", "--ranks-per-replica", "2", "--checkpoint-dir", "/tmp/x"],
+                 "--checkpoint-dir does not work with --ranks-per-replica 2 yet",
+                 id="sharded-checkpoints"),
+    pytest.param(["run", "--ranks-per-replica", "0"], "must be at least 1",
+                 id="zero-ranks-per-replica"),
     pytest.param(["run", "--kill", "step=1,replica=0,phase=forward,colour=red"],
                  "unknown key(s) ['colour']", id="kill-unknown-key"),
     pytest.param(["run", "--kill", "step=1,replica=0,phase=forward,step=2"],
@@ -198,6 +208,9 @@ def test_agent_subprocess_prints_no_traceback():
     pytest.param("step=0,replica=7,phase=recompute,microbatch=-1",
                  pb.FaultSpec(step=0, replica=7, phase="recompute", microbatch=-1),
                  "step=0,replica=7,phase=recompute", id="explicit-middle"),
+    pytest.param("step=2,replica=1,phase=reduce,rank=1",
+                 pb.FaultSpec(step=2, replica=1, phase="reduce", microbatch=-1, rank=1),
+                 "step=2,replica=1,phase=reduce,rank=1", id="a-rank-of-a-sharded-replica"),
 ])
 def test_parse_and_format_fault_spec_round_trip(text, expected, canonical):
     spec = parse_fault_spec(text)

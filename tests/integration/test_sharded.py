@@ -1,0 +1,102 @@
+"""Sharded replicas (`--ranks-per-replica`): FSDP2 inside each replica, the replica lost as a
+unit, each rank's gradient shard reduced across replicas.
+
+Real processes, because a replica of several ranks exists only as processes: FSDP2's
+all-gathers and reduce-scatters on the replica's own group, the agent killing a broken
+replica's other ranks, a rank's cross-replica group per shard. One killed run is checked
+by many assertions (each run costs ~15 s on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integration.conftest import REPO, alive, assert_bitwise_identical, run_recover
+
+pytestmark = pytest.mark.slow
+
+EXAMPLE = str(REPO / "examples" / "hsdp.py")
+# A group timeout far beyond the test's own: a survivor that waited for a collective to
+# time out, instead of being cut loose by the new generation, would fail the test.
+LAYOUT = ["--replicas", "4", "--ranks-per-replica", "2", "--steps", "7", "-M", "8",
+          "--seed", "3", "--reduce", "exact", "--group-timeout", "600", "--quiet"]
+FAULTS = ["step=1,replica=1,phase=backward,rank=1",  # inside FSDP's reduce-scatter hook
+          "step=3,replica=2,phase=reduce",            # rank 0, in the cross-replica reduce
+          "step=5,replica=3,phase=stop,rank=1"]       # SIGSTOP mid-compute: the watchdog kills it
+
+
+def pids_by_replica(logs: Path) -> dict[int, list[int]]:
+    """The worker pids each agent says it spawned, by replica."""
+    found: dict[int, list[int]] = {}
+    for log in logs.glob("agent-*.log"):
+        for line in log.read_text().splitlines():
+            if (m := re.search(r'spawned worker pids ([\d, ]+) on slots .*replica=(\d+)', line)):
+                found[int(m[2])] = [int(p) for p in m[1].split(", ")]
+    return found
+
+
+def test_hsdp_exact_is_bitwise_through_a_rank_lost_in_each_phase(tmp_path: Path) -> None:
+    reference = run_recover(tmp_path / "reference", *LAYOUT, "--", "python", EXAMPLE,
+                            "--save", str(tmp_path / "reference.pt"), timeout=240)
+    assert reference.returncode == 0, reference.stderr
+    killed = run_recover(tmp_path / "killed", *LAYOUT,
+                         *[part for fault in FAULTS for part in ("--kill", fault)],
+                         "--", "python", EXAMPLE, "--save", str(tmp_path / "killed.pt"),
+                         timeout=240)
+    assert killed.returncode == 0, killed.stderr
+    summary = killed.summary
+
+    # Every step summed all 8 microbatches and the parameters after every step are the
+    # failure-free run's, bit for bit, on every live replica.
+    assert_bitwise_identical(summary, reference.summary)
+    assert summary["microbatches_per_step"] == [8] * 7
+    want = torch.load(tmp_path / "reference.pt")
+    got = torch.load(tmp_path / "killed.pt")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+    # Each fault lost its whole replica (a replica of several ranks is not restarted yet).
+    failures = summary["failures"]
+    assert [(f["replica"], f["phase"], f["cause"]) for f in failures] == [
+        (1, "backward", "injected"), (2, "reduce", "injected"), (3, "stop", "watchdog")]
+    assert summary["live_replicas"] == [0]
+    # The agent killed each lost replica's other rank at once (no rank of it lingers), no
+    # new replica was started, and every process of the job is gone.
+    agent_logs = "".join(p.read_text() for p in (tmp_path / "killed" / "logs").glob("agent-*"))
+    assert agent_logs.count("killed the replica's other ranks") == 3, agent_logs
+    pids = pids_by_replica(tmp_path / "killed" / "logs")
+    assert sorted(pids) == [0, 1, 2, 3] and all(len(p) == 2 for p in pids.values())
+    assert not [pid for ranks in pids.values() for pid in ranks if alive(pid)]
+    # (The last one's request may come after the job ended: counted only as one at least.)
+    assert "is not restarted: it cannot join a running job yet" in agent_logs
+
+
+def test_hsdp_fast_matches_one_process_replicas(tmp_path: Path) -> None:
+    """A rank's slice of each microbatch and FSDP's mean over the slices give the gradient a
+    one-process replica computes: the losses agree to float rounding, through a kill."""
+    base = ["--replicas", "2", "--steps", "5", "-M", "4", "--quiet"]
+    sharded = run_recover(tmp_path / "sharded", *base, "--ranks-per-replica", "2",
+                          "--kill", "step=2,replica=1,phase=forward,rank=1",
+                          "--", "python", EXAMPLE, timeout=240)
+    assert sharded.returncode == 0, sharded.stderr
+    plain = run_recover(tmp_path / "plain", *base, "--", "python", EXAMPLE, timeout=240)
+    assert plain.returncode == 0, plain.stderr
+    losses = [json.loads((tmp_path / run / "summary.json").read_text())["loss_per_step"]
+              for run in ("sharded", "plain")]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5, abs=1e-6)
+    assert sharded.summary["tokens"] == plain.summary["tokens"]  # summed over the ranks
+    assert [f["phase"] for f in sharded.summary["failures"]] == ["forward"]
+
+
+def test_a_model_not_sharded_over_the_replica_fails_in_one_line(tmp_path: Path) -> None:
+    result = run_recover(tmp_path / "run", "--replicas", "1", "--ranks-per-replica", "2",
+                         "--steps", "2", "-M", "2", "--quiet", "--",
+                         "python", str(REPO / "examples" / "minimal.py"), timeout=120)
+    assert result.returncode != 0
+    assert "the job has 2 ranks per replica but the model's parameter" in result.stderr
+    assert "fully_shard(module, mesh=job.replica_mesh)" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,185 @@
+"""A replica of several ranks: its own process group, the lockstep its ranks keep, and what
+they agree on before rank 0 speaks for them.
+
+With `--ranks-per-replica K` a replica is K worker processes on one host that shard one
+model copy (FSDP2 over `Job.replica_mesh`). Their group is torch's default process group,
+met on a file the agent names (`RECOVER_REPLICA_STORE`): it never spans replicas, so a
+fault in one replica cannot hang another, and it is built once per replica life. Each rank
+reduces its own gradient shard across replicas over a per-generation group of its shard
+index (`GroupSpec.shard`).
+
+Every rank runs the same executor on the same commands, and the ranks must issue the same
+collectives on the replica's group in the same order (FSDP's all-gathers and
+reduce-scatters, the agreement below). Commands reach each rank on its own channel at
+moments of their own, so rank 0 decides each move of the loop — handle this command, or
+do the next piece of work — and sends it to the others (`Lockstep`), as a serialized
+`WorkerCommand`: typed, never pickled. The ranks' own channels still carry every
+generation to them, which is what aborts a rank's cross-replica collective at once.
+
+After each cross-replica reduction the ranks agree (`Lockstep.agree`): the replica has
+reduced only if every rank has, and then rank 0 reports the replica's loss and tokens
+(summed over its ranks' slices). Its digests are the digest of every rank's digest.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from recover.proto import pb
+
+REPLICA_GROUP_TIMEOUT = datetime.timedelta(days=7)
+"""The replica's own group waits this long in a collective. Rank 0 may wait for the
+controller for minutes (a start, a takeover) while the others wait for its next move; a
+rank that dies closes its sockets (the others fail in ms) and the agent kills a hung one
+and then its siblings, so this timeout never decides anything."""
+
+WORK, COMMAND = 0, 1
+
+
+class ReplicaBroken(RuntimeError):
+    """A collective on the replica's own group failed: a sibling rank is gone, so is this
+    replica (its agent kills what is left of it)."""
+
+
+@dataclass(frozen=True)
+class ReplicaRanks:
+    """This process's place in its replica."""
+
+    rank: int
+    size: int
+    mesh: Any
+    """A 1-D DeviceMesh over the replica's ranks (for fully_shard)."""
+    group: Any
+    """The replica's process group (torch's default group in this process)."""
+
+    @property
+    def leads(self) -> bool:
+        return self.rank == 0
+
+
+def from_environment() -> tuple[int, int]:
+    """(rank in replica, ranks per replica) as the agent set them; (0, 1) when unset."""
+    try:
+        rank = int(os.environ.get("RECOVER_RANK_IN_REPLICA", "0"))
+        size = int(os.environ.get("RECOVER_RANKS_PER_REPLICA", "1"))
+    except ValueError:
+        return 0, 1
+    return (rank, size) if 0 <= rank < size else (0, 1)
+
+
+def join_replica(rank: int, size: int, store_path: str) -> ReplicaRanks:
+    """Meet the replica's other ranks (blocks until all have come) and build its mesh."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
+    # NCCL for CUDA tensors where there are any (untested without a GPU), gloo for CPU ones.
+    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    store = dist.PrefixStore("replica/", dist.FileStore(store_path, size))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size,
+                            timeout=REPLICA_GROUP_TIMEOUT)
+    group = dist.group.WORLD
+    assert group is not None  # just initialised
+    mesh = DeviceMesh.from_group(group, "cuda" if cuda else "cpu")
+    return ReplicaRanks(rank, size, mesh, group)
+
+
+def split_batch(batch: Any, rank: int, size: int) -> Any:
+    """This rank's slice of a microbatch: every tensor split along its first dimension into
+    `size` equal parts, the same way on every replica (so a microbatch's gradient does not
+    depend on which replica computes it); other values are passed on whole."""
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0 or batch.shape[0] % size:
+            raise ValueError(f"a microbatch tensor of shape {list(batch.shape)} cannot be split "
+                             f"evenly over the replica's {size} ranks: make the microbatch "
+                             f"size a multiple of {size}")
+        return batch.chunk(size)[rank]
+    if isinstance(batch, Mapping):
+        items = {k: split_batch(v, rank, size) for k, v in batch.items()}
+        try:
+            return type(batch)(items)  # type: ignore[call-arg]  # a dict, a BatchEncoding: the same kind back
+        except TypeError:
+            return items
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(split_batch(v, rank, size) for v in batch))
+    if isinstance(batch, list | tuple):
+        return type(batch)(split_batch(v, rank, size) for v in batch)
+    return batch
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What the replica's ranks agreed after a cross-replica reduction."""
+
+    reduced: bool
+    """Every rank's reduction succeeded."""
+    loss: float
+    """The replica's mean loss: the mean over its ranks (each holds its slices' mean)."""
+    tokens: int
+    overflow: int
+
+
+class Lockstep:
+    """Rank 0 decides the loop's moves; the other ranks make the same ones."""
+
+    def __init__(self, ranks: ReplicaRanks) -> None:
+        self.ranks = ranks
+
+    def _run(self, collective: Any, *args: Any) -> None:
+        """One collective on the replica's group, called on the group object itself (no
+        global c10d bookkeeping: any ProcessGroup works, the tests' too)."""
+        try:
+            collective(*args).wait()
+        except (RuntimeError, ValueError) as exc:  # gloo: "Connection closed by peer"
+            raise ReplicaBroken(f"the replica's rank group failed: {exc}") from None
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        self._run(self.ranks.group.broadcast, [tensor], options)
+
+    def lead(self, command: pb.WorkerCommand | None) -> None:
+        """Rank 0: the next move is `command` (None: the next piece of work)."""
+        payload = command.SerializeToString() if command is not None else b""
+        header = torch.tensor([COMMAND if command is not None else WORK, len(payload)],
+                              dtype=torch.int64)
+        self._broadcast(header)
+        if payload:
+            self._broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+
+    def follow(self) -> pb.WorkerCommand | None:
+        """Ranks 1..: wait for rank 0's next move."""
+        header = torch.zeros(2, dtype=torch.int64)
+        self._broadcast(header)
+        kind, size = int(header[0]), int(header[1])
+        if kind == WORK:
+            return None
+        payload = torch.empty(size, dtype=torch.uint8)
+        if size:
+            self._broadcast(payload)
+        return pb.WorkerCommand.FromString(payload.numpy().tobytes())
+
+    def agree(self, reduced: bool, loss: float, tokens: int, overflow: int) -> Agreement:
+        """Every rank, after its cross-replica reduction (succeeded or not)."""
+        tally = torch.tensor([0.0 if reduced else 1.0, loss, float(tokens), float(overflow)],
+                             dtype=torch.float64)
+        self._run(self.ranks.group.allreduce, [tally], dist.AllreduceOptions())
+        failed, loss_sum, tokens_sum, overflow_sum = tally.tolist()
+        return Agreement(failed == 0, loss_sum / self.ranks.size, int(tokens_sum),
+                         int(overflow_sum))
+
+    def combine_digest(self, digest: str) -> str:
+        """The replica's digest: sha256 over its ranks' digests in rank order (every rank
+        calls it at the same point and gets the same answer)."""
+        mine = torch.frombuffer(bytearray(hashlib.sha256(digest.encode()).digest()),
+                                dtype=torch.uint8)
+        parts = [torch.empty_like(mine) for _ in range(self.ranks.size)]
+        self._run(self.ranks.group.allgather, [parts], [mine])
+        return hashlib.sha256(b"".join(p.numpy().tobytes() for p in parts)).hexdigest()
