@@ -121,7 +121,8 @@ class Agreement:
     reduced: bool
     """Every rank's reduction succeeded."""
     loss: float
-    """The replica's mean loss: the mean over its ranks (each holds its slices' mean)."""
+    """The replica's loss: the mean over its shards' (each its slices' mean), or the sum
+    over its pipeline stages' (the last stage's)."""
     tokens: int
     overflow: int
 
@@ -131,6 +132,9 @@ class Lockstep:
 
     def __init__(self, ranks: ReplicaRanks) -> None:
         self.ranks = ranks
+        self.losses_add_up = False
+        """Pipeline stages: only the last has the loss, the replica's is the sum. Shards
+        (FSDP): each holds its slices' mean loss, the replica's is the mean."""
 
     def _run(self, collective: Any, *args: Any) -> None:
         """One collective on the replica's group, called on the group object itself (no
@@ -172,8 +176,8 @@ class Lockstep:
                              dtype=torch.float64)
         self._run(self.ranks.group.allreduce, [tally], dist.AllreduceOptions())
         failed, loss_sum, tokens_sum, overflow_sum = tally.tolist()
-        return Agreement(failed == 0, loss_sum / self.ranks.size, int(tokens_sum),
-                         int(overflow_sum))
+        loss = loss_sum if self.losses_add_up else loss_sum / self.ranks.size
+        return Agreement(failed == 0, loss, int(tokens_sum), int(overflow_sum))
 
     def combine_digest(self, digest: str) -> str:
         """The replica's digest: sha256 over its ranks' digests in rank order (every rank

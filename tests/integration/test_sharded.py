@@ -1,5 +1,5 @@
-"""Sharded replicas (`--ranks-per-replica`): FSDP2 inside each replica, the replica lost as a
-unit, each rank's gradient shard reduced across replicas.
+"""Sharded replicas (`--ranks-per-replica`): FSDP2 or pipeline stages inside each replica, the
+replica lost as a unit, each rank's gradient shard (or stage) reduced across replicas.
 
 Real processes, because a replica of several ranks exists only as processes: FSDP2's
 all-gathers and reduce-scatters on the replica's own group, the agent killing a broken
@@ -21,13 +21,15 @@ from tests.integration.conftest import REPO, alive, assert_bitwise_identical, ru
 pytestmark = pytest.mark.slow
 
 EXAMPLE = str(REPO / "examples" / "hsdp.py")
+PIPELINE = str(REPO / "examples" / "pipeline.py")
 # A group timeout far beyond the test's own: a survivor that waited for a collective to
 # time out, instead of being cut loose by the new generation, would fail the test.
-LAYOUT = ["--replicas", "4", "--ranks-per-replica", "2", "--steps", "7", "-M", "8",
+LAYOUT = ["--replicas", "3", "--ranks-per-replica", "2", "--steps", "6", "-M", "6",
           "--seed", "3", "--reduce", "exact", "--group-timeout", "600", "--quiet"]
 FAULTS = ["step=1,replica=1,phase=backward,rank=1",  # inside FSDP's reduce-scatter hook
-          "step=3,replica=2,phase=reduce",            # rank 0, in the cross-replica reduce
-          "step=5,replica=3,phase=stop,rank=1"]       # SIGSTOP mid-compute: the watchdog kills it
+          "step=3,replica=2,phase=reduce"]            # rank 0, in the cross-replica reduce
+PIPELINE_FAULTS = ["step=1,replica=1,phase=forward",           # stage 0, as the schedule starts
+                   "step=3,replica=2,phase=stop,rank=1"]       # SIGSTOP: the watchdog kills it
 
 
 def pids_by_replica(logs: Path) -> dict[int, list[int]]:
@@ -51,10 +53,10 @@ def test_hsdp_exact_is_bitwise_through_a_rank_lost_in_each_phase(tmp_path: Path)
     assert killed.returncode == 0, killed.stderr
     summary = killed.summary
 
-    # Every step summed all 8 microbatches and the parameters after every step are the
+    # Every step summed all 6 microbatches and the parameters after every step are the
     # failure-free run's, bit for bit, on every live replica.
     assert_bitwise_identical(summary, reference.summary)
-    assert summary["microbatches_per_step"] == [8] * 7
+    assert summary["microbatches_per_step"] == [6] * 6
     want = torch.load(tmp_path / "reference.pt")
     got = torch.load(tmp_path / "killed.pt")
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
@@ -62,17 +64,40 @@ def test_hsdp_exact_is_bitwise_through_a_rank_lost_in_each_phase(tmp_path: Path)
     # Each fault lost its whole replica (a replica of several ranks is not restarted yet).
     failures = summary["failures"]
     assert [(f["replica"], f["phase"], f["cause"]) for f in failures] == [
-        (1, "backward", "injected"), (2, "reduce", "injected"), (3, "stop", "watchdog")]
+        (1, "backward", "injected"), (2, "reduce", "injected")]
     assert summary["live_replicas"] == [0]
     # The agent killed each lost replica's other rank at once (no rank of it lingers), no
     # new replica was started, and every process of the job is gone.
     agent_logs = "".join(p.read_text() for p in (tmp_path / "killed" / "logs").glob("agent-*"))
-    assert agent_logs.count("killed the replica's other ranks") == 3, agent_logs
+    assert agent_logs.count("killed the replica's other ranks") == 2, agent_logs
     pids = pids_by_replica(tmp_path / "killed" / "logs")
-    assert sorted(pids) == [0, 1, 2, 3] and all(len(p) == 2 for p in pids.values())
+    assert sorted(pids) == [0, 1, 2] and all(len(p) == 2 for p in pids.values())
     assert not [pid for ranks in pids.values() for pid in ranks if alive(pid)]
     # (The last one's request may come after the job ended: counted only as one at least.)
     assert "is not restarted: it cannot join a running job yet" in agent_logs
+
+
+def test_pipeline_exact_is_bitwise_through_a_stage_lost_and_matches_one_process(
+        tmp_path: Path) -> None:
+    """Two pipeline stages per replica (GPipe over the replica's group): a stage killed as
+    the schedule starts and a stage SIGSTOPped lose their replicas; the run stays bitwise
+    the failure-free one, and computes what one process per replica computes."""
+    reference = run_recover(tmp_path / "reference", *LAYOUT, "--", "python", PIPELINE,
+                            timeout=240)
+    assert reference.returncode == 0, reference.stderr
+    killed = run_recover(tmp_path / "killed", *LAYOUT,
+                         *[part for fault in PIPELINE_FAULTS for part in ("--kill", fault)],
+                         "--", "python", PIPELINE, timeout=240)
+    assert killed.returncode == 0, killed.stderr
+    assert_bitwise_identical(killed.summary, reference.summary)
+    assert [(f["replica"], f["phase"], f["cause"]) for f in killed.summary["failures"]] == [
+        (1, "forward", "injected"), (2, "stop", "watchdog")]
+    plain = LAYOUT[:LAYOUT.index("--ranks-per-replica")] + LAYOUT[LAYOUT.index("--steps"):]
+    whole = run_recover(tmp_path / "whole", *plain, "--", "python", PIPELINE, timeout=240)
+    assert whole.returncode == 0, whole.stderr
+    assert reference.summary["loss_per_step"] == pytest.approx(
+        whole.summary["loss_per_step"], rel=1e-5, abs=1e-6)
+    assert reference.summary["tokens"] == whole.summary["tokens"]  # the last stage's
 
 
 def test_hsdp_fast_matches_one_process_replicas(tmp_path: Path) -> None:
@@ -99,4 +124,5 @@ def test_a_model_not_sharded_over_the_replica_fails_in_one_line(tmp_path: Path) 
     assert result.returncode != 0
     assert "the job has 2 ranks per replica but the model's parameter" in result.stderr
     assert "fully_shard(module, mesh=job.replica_mesh)" in result.stderr
+    assert "for pipeline stages, pass this rank's stage with forward_backward=" in result.stderr
     assert "Traceback" not in result.stderr
