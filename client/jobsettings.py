@@ -204,8 +204,8 @@ def _check_ranks_per_replica(ranks: int, args: argparse.Namespace) -> str | None
         return None
     for flag, value in (("--spares", args.spares), ("--checkpoint-dir", args.checkpoint_dir)):
         if value:
-            return (f"{flag} does not work with --ranks-per-replica {ranks} yet: a replica of "
-                    "several ranks cannot receive a donor's state nor write a checkpoint")
+            return (f"{flag} does not work with --ranks-per-replica {ranks} yet: hot spares "
+                    "and checkpoints of replicas of several ranks are not built")
     return None
 
 

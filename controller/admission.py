@@ -76,25 +76,17 @@ def admit_agent(agent_id: str, host: str, slots: int, *, job_id: str, job_state:
         more = f"{slots} more slots ({wanted} replicas)" if ranks > 1 else f"{slots} more slots"
         return Admission((), f"job wants {capacity.wanted} replicas and has {capacity.live}; "
                              f"{more} do not fit")
-    if ranks > 1 and job_state is not JobState.WAITING:
-        return Admission((), f"job {job_id} is running and a replica of {ranks} ranks cannot "
-                             "join a running job yet")
     ids = tuple(range(capacity.next_id, capacity.next_id + wanted))
     joins = " (they join the running job)" if job_state is JobState.RUNNING else ""
     return Admission(ids, f"agent {agent_id} on {host}: replicas {list(ids)}{joins}")
 
 
 def admit_replacement(agent_id: str, slot: int, *, agent_alive: bool, job_id: str,
-                      job_state: JobState, taking_over: bool, capacity: Capacity,
-                      ranks_per_replica: int = 1) -> Admission:
+                      job_state: JobState, taking_over: bool, capacity: Capacity) -> Admission:
     """A restarted worker on `slot` of a live agent: one fresh replica id if there is room."""
     closed = _closed(job_id, job_state, taking_over)
     if closed is not None:
         return Admission((), closed)
-    if ranks_per_replica > 1:
-        # A replacement would join with a donor's state, rank by rank: not built yet.
-        return Admission((), f"a replica of {ranks_per_replica} ranks is not restarted: it "
-                             "cannot join a running job yet")
     if not agent_alive:
         return Admission((), f"agent {agent_id} is not part of the job (declared lost?)")
     if capacity.room() < 1:
@@ -110,21 +102,15 @@ class StartDecision:
 
 
 def start_decision(*, ready: int, live: int, target: int, min_replicas: int,
-                   startup_failure_for_s: float | None, grace_s: float,
-                   late_can_join: bool = True) -> StartDecision:
+                   startup_failure_for_s: float | None, grace_s: float) -> StartDecision:
     """Start when every live replica is ready and there are `target` of them; after a
     worker failed during startup, also with fewer (at least `min_replicas`) once its
-    replacement had `grace_s` to arrive: the late ones join the running job. Where late
-    replicas cannot join (`late_can_join` False: replicas of several ranks), only with
-    every one of them."""
+    replacement had `grace_s` to arrive: the late ones join the running job."""
     if ready < live:
         return StartDecision(False, f"{ready} of {live} replicas ready")
     if ready >= target:
         return StartDecision(True, f"{ready} replicas ready")
     floor = max(min_replicas, 1)
-    if not late_can_join:
-        return StartDecision(False, f"{ready} of {target} replicas ready (a replica of several "
-                                    "ranks cannot join late, so the job starts with all)")
     if startup_failure_for_s is None:
         return StartDecision(False, f"{ready} of {target} replicas ready")
     if ready < floor:

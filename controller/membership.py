@@ -60,8 +60,7 @@ def replica_request(d: Draft, agent_id: str, request: pb.ReplicaRequest) -> None
     admission = admit_replacement(
         agent_id, request.slot, agent_alive=agent is not None and agent.alive,
         job_id=v.job.job_id, job_state=v.state,
-        taking_over=v.takeover is not None, capacity=capacity(d),
-        ranks_per_replica=v.job.ranks_per_replica)
+        taking_over=v.takeover is not None, capacity=capacity(d))
     if agent is None or not admission.admitted:
         d.send(agent_id, pb.ControllerMessage(replica_assigned=pb.ReplicaAssigned(
             slot=request.slot, refused=admission.reason, retryable=v.takeover is not None)))
@@ -82,7 +81,7 @@ def maybe_start(d: Draft, grace_s: float) -> None:
         ready=sum(r.ready for r in live), live=len(live), target=d.v.job.replicas,
         min_replicas=d.v.job.min_replicas,
         startup_failure_for_s=None if failed_at is None else d.now - failed_at,
-        grace_s=grace_s, late_can_join=d.v.job.ranks_per_replica <= 1)
+        grace_s=grace_s)
     if decision.start and d.v.takeover is None:
         _start(d, decision.reason)
 

@@ -29,7 +29,7 @@ args = parser.parse_args()
 
 job = rt.init()
 torch.manual_seed(job.seed)  # the same model on every rank of every replica
-model = TinyTransformer(args.width, args.layers)
+model = TinyTransformer(args.width, args.layers).to(job.device)  # a slot's GPU, or the CPU
 if job.replica_size > 1:
     for block in model.blocks:
         fully_shard(block, mesh=job.replica_mesh)
@@ -39,6 +39,7 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
 def loss_fn(model, batch):
     # `batch` is this rank's slice of the microbatch: count the tokens it holds.
+    batch = batch.to(job.device)
     return cross_entropy(model(batch[:, :-1]), batch[:, 1:]), batch[:, 1:].numel()
 
 

@@ -38,6 +38,7 @@ if len(whole) < stages:
 bounds = [round(i * len(whole) / stages) for i in range(stages + 1)]
 first, last = job.replica_rank == 0, job.replica_rank == stages - 1
 model = nn.Sequential(*whole[bounds[job.replica_rank]:bounds[job.replica_rank + 1]])  # ...keeps its stage
+model.to(job.device)
 optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
 
@@ -47,13 +48,14 @@ def chunk_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 schedule = None
 if stages > 1:
-    stage = PipelineStage(model, job.replica_rank, stages, torch.device("cpu"),
+    stage = PipelineStage(model, job.replica_rank, stages, job.device,
                           group=job.replica_group)
     schedule = ScheduleGPipe(stage, n_microbatches=args.chunks, loss_fn=chunk_loss,
                              scale_grads=False)
 
 
 def forward_backward(model, batch):
+    batch = batch.to(job.device)
     inputs, targets = batch[:, :-1], batch[:, 1:]
     if schedule is None:  # one rank per replica: the whole model, no pipeline
         loss = cross_entropy(model(inputs), targets)

@@ -243,7 +243,7 @@ def train(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                              lr_scheduler, max_grad_norm, on_step_committed, extra_state, buffers)
         lockstep = Lockstep(job._ranks) if job._ranks is not None else None
         if lockstep is not None:
-            sharding.prepare(workload, lockstep)
+            sharding.prepare(workload, lockstep, exact=job.reduce == "exact")
         if workload.buffer_warning and job.replica == 0:
             log.warning("%s", workload.buffer_warning, extra={"replica": job.replica})
         try:
@@ -281,8 +281,11 @@ def train(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                 proto.checkpoint, proto, job.replica,
                 lambda written: channel.send(pb.WorkerReport(checkpoint_written=written)),
                 first_step)
+        # Every rank's transfer address, in rank order: donor rank k streams to rank k.
+        address = listener.address if lockstep is None else \
+            ",".join(lockstep.gather_text(listener.address))
         shutdown = executor.run(pb.Ready(param_sha256=workload.digest(), pid=os.getpid(),
-                                         workload=info, transfer_address=listener.address))
+                                         workload=info, transfer_address=address))
     except WorkloadError as exc:
         _report_and_exit(channel, exc)
     except ChannelClosed as exc:

@@ -188,7 +188,8 @@ class StepExecutor(JoinSteps):
                                          recomputed=microbatch not in s.original,
                                          params=self.workload.params)
         self.accumulator.before_microbatch()
-        result = self.workload.compute(s.step, microbatch, points.before_backward)
+        result = self.workload.compute(s.step, microbatch, points.before_backward,
+                                       last=position == len(s.assigned) - 1)
         points.after_backward()
         self.grads.repair_views()
         hooks.after_microbatch(s.step, position, count, self.grads)

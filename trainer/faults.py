@@ -185,6 +185,7 @@ class MicrobatchFaults(MicrobatchPoints):
         self._at = (step, position, count)
         self._params = params
         self._hook: Any = None
+        self._sharded = False
         self.slept_s = 0.0
         """What a `phase=slow` fault slept in this microbatch (not compute: not slowed)."""
 
@@ -200,17 +201,21 @@ class MicrobatchFaults(MicrobatchPoints):
             injector.fire(step, "forward")
         if injector.armed(step, "backward", position, count):
             middle = self._params[len(self._params) // 2]
-            if hasattr(middle, "to_local"):  # FSDP2 shard: autograd never sees its gradient,
-                # FSDP calls the post-accumulate hooks once it reduce-scattered it (in backward)
+            self._sharded = hasattr(middle, "to_local")
+            if self._sharded:  # FSDP2 shard: autograd never sees its gradient, FSDP calls
+                # the post-accumulate hooks once it reduce-scattered it (in a backward)
                 self._hook = middle.register_post_accumulate_grad_hook(
                     lambda param: injector.fire(step, "backward"))
             else:
                 self._hook = middle.register_hook(lambda grad: injector.fire(step, "backward"))
 
     def after_backward(self) -> None:
-        if self._hook is not None:
+        if self._hook is not None and not self._sharded:
             self._hook.remove()
             self._hook = None
+        # A shard's hook stays until FSDP reduce-scatters it: in fast mode, where the
+        # replica's microbatches are reduce-scattered together at its last one, the kill
+        # lands in that backward, still inside the step.
 
 
 class FaultHooks(StepHooks):

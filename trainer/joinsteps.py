@@ -29,6 +29,8 @@ class JoinSteps(ExecutorBase):
     def _donate(self, command: pb.Donate) -> None:
         """Snapshot the state between two steps (parameters change only when a step is applied)
         and stream it, then every step committed from now on, to the joiner."""
+        if self.lockstep is not None:  # rank k of the donor streams to rank k of the joiner
+            command = self._my_part(command)
         snapshot = encode(self.training_state())
         self.donations = [d for d in self.donations if not d.done.is_set()]
         step = self.state.step
@@ -36,6 +38,20 @@ class JoinSteps(ExecutorBase):
                                        functools.partial(self.hooks.after_snapshot_sent, step)))
         log.info("donating state of step %d to replica %d (%.1f MB)", self.state.step,
                  command.joiner, snapshot.nbytes / 1e6, extra=self._ctx())
+
+    def _my_part(self, command: pb.Donate) -> pb.Donate:
+        """The joiner's address for this rank: a replica of several ranks reports one per
+        rank, in rank order, separated by commas (the controller passes them on as they are)."""
+        assert self.lockstep is not None
+        addresses = command.address.split(",")
+        ranks = self.lockstep.ranks
+        if len(addresses) != ranks.size:
+            raise RuntimeError(f"replica {command.joiner} gave {len(addresses)} transfer "
+                               f"addresses for a replica of {ranks.size} ranks")
+        mine = pb.Donate()
+        mine.CopyFrom(command)
+        mine.address = addresses[ranks.rank]
+        return mine
 
     def _feed_joiners(self, step: pb.CatchUpStep, means: list) -> None:
         self.donations = [d for d in self.donations if not d.done.is_set()]
@@ -83,8 +99,10 @@ class JoinSteps(ExecutorBase):
             self.catching_up = False
             catchup.close()
         # The donor ends its stream once it sees this replica admitted: the admission is
-        # here already, or on its way through the agent.
-        while self.generation == 0 and self._admission is None and self._pending_join is None:
+        # here already, or on its way through the agent. (A replica of several ranks takes
+        # it from its main loop, where rank 0 hands it to the others: replica.Lockstep.)
+        while (self.lockstep is None and self.generation == 0 and self._admission is None
+               and self._pending_join is None):
             next_command = self.channel.next_command(ORPHAN_WAIT_S)
             if next_command is None:
                 raise RuntimeError(f"the donor's stream ended but no admission came within "
@@ -94,11 +112,19 @@ class JoinSteps(ExecutorBase):
 
     def _stop_waiting(self) -> bool:
         """Asked while waiting for a donor: commands may make the wait moot."""
+        if self.lockstep is not None:
+            return False  # its ranks handle commands only in step, from the main loop
         self._poll_while_joining()
         admitted = self._admission is not None and self._admission.plan.step == self.state.step
         return admitted or self._pending_join is not None
 
     def _poll_while_joining(self) -> None:
+        if self.lockstep is not None:
+            # A replica of several ranks handles commands only from its main loop, where
+            # rank 0 hands each to the others: while its ranks catch up (each from its donor
+            # rank, at its own pace) they stay queued. The donor's stream ends on the
+            # admission either way; a shutdown or a new attempt waits for the stream's end.
+            return
         while (next_command := self.channel.poll()) is not None:
             if next_command.WhichOneof("kind") == "join":
                 self._pending_join = next_command.join  # a new attempt replaces this one

@@ -179,6 +179,19 @@ class Lockstep:
         loss = loss_sum if self.losses_add_up else loss_sum / self.ranks.size
         return Agreement(failed == 0, loss, int(tokens_sum), int(overflow_sum))
 
+    def gather_text(self, text: str, size: int = 200) -> list[str]:
+        """Every rank's `text` (at most `size` bytes of UTF-8), in rank order."""
+        data = text.encode()
+        if len(data) > size:
+            raise ValueError(f"{text[:40]!r}... is longer than {size} bytes")
+        mine = torch.zeros(size + 1, dtype=torch.uint8)
+        mine[0] = len(data)
+        mine[1:1 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data \
+            else mine[1:1]
+        parts = [torch.empty_like(mine) for _ in range(self.ranks.size)]
+        self._run(self.ranks.group.allgather, [parts], [mine])
+        return [bytes(p[1:1 + int(p[0])].tolist()).decode() for p in parts]
+
     def combine_digest(self, digest: str) -> str:
         """The replica's digest: sha256 over its ranks' digests in rank order (every rank
         calls it at the same point and gets the same answer)."""

@@ -16,7 +16,11 @@ the others; the replica's loss is the sum of its ranks' (only the last stage has
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
+import torch
+
+from recover.trainer.digest import local_part
 from recover.trainer.errors import contract_error
 from recover.trainer.replica import Lockstep, split_batch
 from recover.trainer.workload import Workload
@@ -25,7 +29,7 @@ SHARD_HINT = ("shard it over the replica's ranks: torch.distributed.fsdp.fully_s
               "mesh=job.replica_mesh) on each block, then on the whole model")
 
 
-def prepare(workload: Workload, lockstep: Lockstep) -> None:
+def prepare(workload: Workload, lockstep: Lockstep, exact: bool) -> None:
     """Check the model and make it ready; a contract error names what is wrong. A model
     whose parameters are FSDP2 shards is one copy sharded over the replica; one whose
     parameters are plain, trained with `forward_backward=`, is this rank's pipeline stage."""
@@ -51,11 +55,11 @@ def prepare(workload: Workload, lockstep: Lockstep) -> None:
                              "rank's stage with forward_backward= running the schedule",
                              where="train")
     else:
-        _prepare_fsdp(workload, lockstep, trainable)
+        _prepare_fsdp(workload, lockstep, trainable, exact)
     workload.combine_digest = lockstep.combine_digest
 
 
-def _prepare_fsdp(workload: Workload, lockstep: Lockstep, trainable: list) -> None:
+def _prepare_fsdp(workload: Workload, lockstep: Lockstep, trainable: list, exact: bool) -> None:
     from torch.distributed.fsdp import FSDPModule
 
     ranks = lockstep.ranks
@@ -76,3 +80,49 @@ def _prepare_fsdp(workload: Workload, lockstep: Lockstep, trainable: list) -> No
         module.set_force_sum_reduction_for_comms(True)
         module.set_requires_gradient_sync(True, recurse=False)
     workload.split_batch = partial(split_batch, rank=ranks.rank, size=ranks.size)
+    workload.reshard_state = partial(_reshard, workload)
+    if not exact:
+        # Fast mode sums the step's microbatches in floating point anyway: FSDP keeps them
+        # unsharded and reduce-scatters once, at the step's last microbatch (a later
+        # one, planned after a failure, is reduce-scattered at its own end). Exact mode
+        # needs each microbatch's shard on its own, to quantize it.
+        def gradient_sync(last: bool) -> None:
+            for module in modules:
+                module.set_requires_gradient_sync(last, recurse=False)
+
+        workload.gradient_sync = gradient_sync
+
+
+def _reshard(workload: Workload, state: dict[str, Any]) -> dict[str, Any]:
+    """A state received from a donor rank (or read back) holds this rank's shards as plain
+    tensors: wrap each where the model's own state has a DTensor, like it. An optimizer
+    that never stepped has no state to compare with yet: it gets one first (a step with a
+    learning rate of 0 and zero gradients, which leaves every parameter as it is), which
+    the loaded state then replaces."""
+    optimizer = workload.optimizer
+    if not optimizer.state:
+        rates = [group.get("lr") for group in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            if "lr" in group:
+                group["lr"] = 0.0
+        for param in workload.params:
+            if param.grad is not None:
+                local_part(param.grad).zero_()
+        optimizer.step()
+        for group, rate in zip(optimizer.param_groups, rates, strict=True):
+            if rate is not None:
+                group["lr"] = rate
+    return _like(workload.state_dict(), state)
+
+
+def _like(own: Any, got: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(own, DTensor) and isinstance(got, torch.Tensor) and not isinstance(got, DTensor):
+        return DTensor.from_local(got.to(own.device), own.device_mesh, own.placements,
+                                  run_check=False, shape=own.shape, stride=own.stride())
+    if isinstance(own, dict) and isinstance(got, dict):
+        return {k: _like(own[k], v) if k in own else v for k, v in got.items()}
+    if isinstance(own, list | tuple) and isinstance(got, list | tuple) and len(own) == len(got):
+        return type(got)(_like(o, g) for o, g in zip(own, got, strict=True))
+    return got

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from recover.proto import pb
+from recover.trainer.digest import local_part
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -52,7 +53,7 @@ def encode(state: Any, *, copy: bool = True, check_only: bool = False) -> Encode
 
     def node(value: Any, path: str) -> pb.StateNode:
         if isinstance(value, torch.Tensor):
-            t = value.detach()
+            t = local_part(value).detach()  # a shard (DTensor) travels as this rank's part
             if t.dtype not in _DTYPES.values():
                 raise StateEncodingError(f"{path}: tensors of dtype {t.dtype} cannot be sent")
             if not check_only:

@@ -88,6 +88,12 @@ class Workload:
     """A replica of several ranks: a microbatch -> this rank's slice of it (replica.py)."""
     combine_digest: Callable[[str], str] | None = None
     """A replica of several ranks: this rank's digest -> the replica's (a collective)."""
+    reshard_state: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    """A sharded model: a received or loaded state (this rank's shards as plain tensors)
+    -> the same with DTensors where the model's own state has them (sharding.py)."""
+    gradient_sync: Callable[[bool], None] | None = None
+    """FSDP2 in fast mode: told before each microbatch whether it is the last of the step
+    (as planned so far), so the shards are reduce-scattered once per step (sharding.py)."""
     params: list[torch.nn.Parameter] = field(init=False)
     model_buffers: ModelBuffers | None = field(init=False)
     """The buffers reduced with each step; None when there are none (or "local")."""
@@ -142,8 +148,12 @@ class Workload:
             torch.cuda.manual_seed(seed)
 
     def compute(self, step: int, microbatch: int,
-                before_backward: Callable[[], None] | None = None) -> MicrobatchResult:
-        """Forward and backward of one microbatch, its gradient added into `.grad`."""
+                before_backward: Callable[[], None] | None = None,
+                last: bool = True) -> MicrobatchResult:
+        """Forward and backward of one microbatch, its gradient added into `.grad`; `last`:
+        no other microbatch of the step is planned after it (so far)."""
+        if self.gradient_sync is not None:
+            self.gradient_sync(last)
         self._computing = True
         try:
             result = self._compute(step, microbatch, before_backward)
@@ -261,6 +271,8 @@ class Workload:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.reshard_state is not None:
+            state = self.reshard_state(state)
         self.model.load_state_dict(state["model"])
         if self.model_buffers is not None:
             self.model_buffers.recommit()  # a donor's or a checkpoint's committed buffers

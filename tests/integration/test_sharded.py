@@ -26,6 +26,7 @@ PIPELINE = str(REPO / "examples" / "pipeline.py")
 # time out, instead of being cut loose by the new generation, would fail the test.
 LAYOUT = ["--replicas", "3", "--ranks-per-replica", "2", "--steps", "6", "-M", "6",
           "--seed", "3", "--reduce", "exact", "--group-timeout", "600", "--quiet"]
+NO_RESTARTS = ["--max-restarts", "0"]  # the lost replicas stay lost: see the rejoin test
 FAULTS = ["step=1,replica=1,phase=backward,rank=1",  # inside FSDP's reduce-scatter hook
           "step=3,replica=2,phase=reduce"]            # rank 0, in the cross-replica reduce
 PIPELINE_FAULTS = ["step=1,replica=1,phase=forward",           # stage 0, as the schedule starts
@@ -46,7 +47,7 @@ def test_hsdp_exact_is_bitwise_through_a_rank_lost_in_each_phase(tmp_path: Path)
     reference = run_recover(tmp_path / "reference", *LAYOUT, "--", "python", EXAMPLE,
                             "--save", str(tmp_path / "reference.pt"), timeout=240)
     assert reference.returncode == 0, reference.stderr
-    killed = run_recover(tmp_path / "killed", *LAYOUT,
+    killed = run_recover(tmp_path / "killed", *LAYOUT, *NO_RESTARTS,
                          *[part for fault in FAULTS for part in ("--kill", fault)],
                          "--", "python", EXAMPLE, "--save", str(tmp_path / "killed.pt"),
                          timeout=240)
@@ -61,20 +62,42 @@ def test_hsdp_exact_is_bitwise_through_a_rank_lost_in_each_phase(tmp_path: Path)
     got = torch.load(tmp_path / "killed.pt")
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
 
-    # Each fault lost its whole replica (a replica of several ranks is not restarted yet).
+    # Each fault lost its whole replica.
     failures = summary["failures"]
     assert [(f["replica"], f["phase"], f["cause"]) for f in failures] == [
         (1, "backward", "injected"), (2, "reduce", "injected")]
     assert summary["live_replicas"] == [0]
-    # The agent killed each lost replica's other rank at once (no rank of it lingers), no
-    # new replica was started, and every process of the job is gone.
+    # The agent killed each lost replica's other rank at once (no rank of it lingers), and
+    # every process of the job is gone.
     agent_logs = "".join(p.read_text() for p in (tmp_path / "killed" / "logs").glob("agent-*"))
     assert agent_logs.count("killed the replica's other ranks") == 2, agent_logs
     pids = pids_by_replica(tmp_path / "killed" / "logs")
     assert sorted(pids) == [0, 1, 2] and all(len(p) == 2 for p in pids.values())
     assert not [pid for ranks in pids.values() for pid in ranks if alive(pid)]
-    # (The last one's request may come after the job ended: counted only as one at least.)
-    assert "is not restarted: it cannot join a running job yet" in agent_logs
+
+
+def test_a_lost_sharded_replica_rejoins_rank_by_rank_bitwise(tmp_path: Path) -> None:
+    """A rank killed: its replica is lost, restarted by its agent (both ranks), and joins
+    with live state transfer rank by rank (donor rank k to joiner rank k, each its own
+    FSDP2 shards and optimizer state); the job ends at full strength, bitwise the
+    failure-free run. Steps carry 30 ms of emulated compute, so the restart (a fork from
+    the warm interpreter) joins mid-run."""
+    layout = ["--replicas", "2", "--ranks-per-replica", "2", "--steps", "40", "-M", "4",
+              "--seed", "4", "--reduce", "exact", "--quiet"]
+    reference = run_recover(tmp_path / "reference", *layout, "--", "python", EXAMPLE,
+                            timeout=240)
+    assert reference.returncode == 0, reference.stderr
+    rejoined = run_recover(tmp_path / "rejoined", *layout, "--compute-ms", "30",
+                           "--kill", "step=2,replica=1,phase=backward,rank=1",
+                           "--", "python", EXAMPLE, timeout=240)
+    assert rejoined.returncode == 0, rejoined.stderr
+    summary = rejoined.summary
+    assert_bitwise_identical(summary, reference.summary)
+    assert [f["phase"] for f in summary["failures"]] == ["backward"]
+    assert len(summary["live_replicas"]) == 2 and 1 not in summary["live_replicas"]
+    assert summary["replicas_per_step"][-1] == 2  # at full strength again
+    log = (tmp_path / "rejoined" / "logs" / "controller.log").read_text()
+    assert "replica-joined" in log and "state-transfer" in log, log[-2000:]
 
 
 def test_pipeline_exact_is_bitwise_through_a_stage_lost_and_matches_one_process(
@@ -85,7 +108,7 @@ def test_pipeline_exact_is_bitwise_through_a_stage_lost_and_matches_one_process(
     reference = run_recover(tmp_path / "reference", *LAYOUT, "--", "python", PIPELINE,
                             timeout=240)
     assert reference.returncode == 0, reference.stderr
-    killed = run_recover(tmp_path / "killed", *LAYOUT,
+    killed = run_recover(tmp_path / "killed", *LAYOUT, *NO_RESTARTS,
                          *[part for fault in PIPELINE_FAULTS for part in ("--kill", fault)],
                          "--", "python", PIPELINE, timeout=240)
     assert killed.returncode == 0, killed.stderr

@@ -47,8 +47,9 @@ ROWS = [
                  "job wants 4 replicas and has 3; 4 more slots (2 replicas) do not fit",
                  id="sharded-too-many"),
     pytest.param("c", 2, {"ranks_per_replica": 2, "job_state": JobState.RUNNING,
-                          "capacity": Capacity(4, 2, 6)}, (),
-                 "a replica of 2 ranks cannot join a running job yet", id="sharded-late-host"),
+                          "capacity": Capacity(4, 2, 6)}, (6,),
+                 "agent c on h: replicas [6] (they join the running job)",
+                 id="sharded-replacement-host"),
 ]
 
 
@@ -67,8 +68,6 @@ REPLACEMENT_ROWS = [
     pytest.param({"job_state": JobState.SUCCEEDED}, (), "job j is succeeded", id="over"),
     pytest.param({"taking_over": True}, (), "taking over", id="takeover"),
     pytest.param({"job_state": JobState.WAITING}, (5,), "new replica 5", id="during-startup"),
-    pytest.param({"ranks_per_replica": 2}, (), "a replica of 2 ranks is not restarted",
-                 id="sharded-not-restarted"),
 ]
 
 
@@ -93,8 +92,6 @@ START_ROWS = [
     pytest.param(dict(ready=1, live=1, failed_for=11.0, min_replicas=2), False,
                  "at least 2 needed", id="below-min-replicas"),
     pytest.param(dict(ready=6, live=6), True, "6 replicas ready", id="spares-ready-too"),
-    pytest.param(dict(ready=3, live=3, failed_for=11.0, late_can_join=False), False,
-                 "a replica of several ranks cannot join late", id="sharded-starts-with-all"),
 ]
 
 
@@ -102,7 +99,6 @@ START_ROWS = [
 def test_start_decision(case, start, reason):
     decision = start_decision(ready=case["ready"], live=case["live"], target=4,
                               min_replicas=case.get("min_replicas", 1),
-                              startup_failure_for_s=case.get("failed_for"), grace_s=10.0,
-                              late_can_join=case.get("late_can_join", True))
+                              startup_failure_for_s=case.get("failed_for"), grace_s=10.0)
     assert decision.start is start
     assert reason in decision.reason, decision.reason

@@ -1,0 +1,140 @@
+"""Sharded replicas: recovery after a rank kill, and the failure-free step, against
+one-process replicas, side by side in one run.
+
+Real `recover run` jobs of `examples/hsdp.py` (FSDP2 inside each replica when it has
+several ranks), fast reduction, `--compute-ms 20` of emulated accelerator time per
+microbatch, `--max-restarts 0` (a lost replica is not replaced in any layout, so every
+layout recovers the same way), interleaved layout by layout within each round so load
+drifts hit all of them:
+
+* `R x K` for R in {2, 4} and K in {1, 2}: R replicas of K ranks. A 2-replica run has one
+  kill (step 4), a 4-replica run three (steps 2, 5, 8); phases rotate over forward,
+  backward, reduce, and with K = 2 the killed rank rotates over 0 and 1.
+* `R x K ref`: the same layout failure-free: its median step time (from summary.json's
+  `committed_at_s_per_step`) is the failure-free cost of the layout.
+* `R x K torch` (K = 2): plain torch HSDP on the same layout, model, microbatches and
+  emulated compute (`hsdp_baseline.py`: FSDP2 over a replicate x shard mesh of one global
+  world, gradients synchronized once per step), no fault tolerance: the ratio
+  ReCoVer / torch of the median step times is the failure-free cost of ReCoVer (fast mode).
+
+Recovery is kill -> every survivor computes again (the controller's `recovered_s`).
+
+    python bench/scripts/sharded.py --rounds 4 --out bench/results/sharded
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from recover.bench.env import environment, percentile
+
+REPO = Path(__file__).resolve().parents[2]
+PHASES = ["forward", "backward", "reduce"]
+STEPS = 10
+
+
+def kills(replicas: int, ranks: int, round_: int) -> list[str]:
+    """This round's kill specs for a layout: distinct victims, one survivor (pure)."""
+    steps = [4] if replicas == 2 else [2, 5, 8]
+    specs = []
+    for i, step in enumerate(steps):
+        spec = f"step={step},replica={1 + i},phase={PHASES[(round_ + i) % len(PHASES)]}"
+        if ranks > 1:
+            spec += f",rank={(round_ + i) % ranks}"
+        specs.append(spec)
+    return specs
+
+
+def run_job(out: Path, replicas: int, ranks: int, faults: list[str]) -> dict[str, Any] | None:
+    args = [sys.executable, "-m", "recover.cli.main", "run", "--out", str(out), "--quiet",
+            "--replicas", str(replicas), "--ranks-per-replica", str(ranks),
+            "--steps", str(STEPS), "-M", "8", "--compute-ms", "20", "--max-restarts", "0",
+            *[part for fault in faults for part in ("--kill", fault)],
+            "--", "python", str(REPO / "examples" / "hsdp.py")]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        print(f"  {out.name} failed: {done.stderr.strip().splitlines()[-1:]}", flush=True)
+        return None
+    return json.loads((out / "summary.json").read_text())
+
+
+def baseline_step(replicas: int, ranks: int) -> float | None:
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", str(replicas * ranks), str(REPO / "bench" / "scripts" /
+                                                          "hsdp_baseline.py"),
+            "--ranks", str(ranks), "--steps", str(STEPS), "-M", "8", "--compute-ms", "20"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("{")), None)
+    if done.returncode != 0 or line is None:
+        print(f"  torch HSDP {replicas}x{ranks} failed: {done.stderr.strip()[-300:]}", flush=True)
+        return None
+    return float(json.loads(line)["step_s_median"])
+
+
+def step_time(summary: dict[str, Any]) -> float:
+    """Median time between commits after the first step (warm-up excluded)."""
+    times = [t for t in summary["committed_at_s_per_step"] if t is not None]
+    return statistics.median(b - a for a, b in zip(times[1:], times[2:], strict=False))
+
+
+def summarize(values: list[float]) -> dict[str, Any]:
+    if not values:
+        return {"n": 0}
+    return {"n": len(values), "p50_s": round(percentile(values, 50), 4),
+            "p99_s": round(percentile(values, 99), 4), "max_s": round(max(values), 4)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    layouts = [(2, 1), (2, 2), (4, 1), (4, 2)]
+    recovered: dict[str, list[float]] = {f"{r}x{k}": [] for r, k in layouts}
+    steps: dict[str, list[float]] = {f"{r}x{k}": [] for r, k in layouts}
+    torch_steps: dict[str, list[float]] = {f"{r}x{k}": [] for r, k in layouts if k > 1}
+    for round_ in range(args.rounds):
+        for replicas, ranks in layouts:
+            name = f"{replicas}x{ranks}"
+            print(f"round {round_}: {name}", flush=True)
+            killed = run_job(args.out / f"{name}-r{round_}", replicas, ranks,
+                             kills(replicas, ranks, round_))
+            if killed is not None:
+                recovered[name] += [f["recovered_s"] for f in killed["failures"]
+                                    if f.get("recovered_s")]
+            ref = run_job(args.out / f"{name}-ref-r{round_}", replicas, ranks, [])
+            if ref is not None:
+                steps[name].append(step_time(ref))
+            if ranks > 1 and (baseline := baseline_step(replicas, ranks)) is not None:
+                torch_steps[name].append(baseline)
+    results: dict[str, Any] = {"environment": environment(), "rounds": args.rounds,
+                               "layouts": {}}
+    for replicas, ranks in layouts:
+        name = f"{replicas}x{ranks}"
+        torch_step = torch_steps.get(name, [])
+        results["layouts"][name] = {
+            "recovery": summarize(recovered[name]), "recovered_s": recovered[name],
+            "step_s_median": round(statistics.median(steps[name]), 4) if steps[name] else None,
+            "step_s": steps[name], "torch_step_s": torch_step,
+            "torch_step_s_median": round(statistics.median(torch_step), 4) if torch_step
+            else None}
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    print("| layout | kills | recovery p50 | p99 | max | step, ReCoVer | step, torch HSDP | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, row in results["layouts"].items():
+        rec, ours, theirs = row["recovery"], row["step_s_median"], row["torch_step_s_median"]
+        ratio = f"{ours / theirs:.2f}" if ours and theirs else "-"
+        print(f"| {name} | {rec['n']} | {rec.get('p50_s', '-')} s | {rec.get('p99_s', '-')} s | "
+              f"{rec.get('max_s', '-')} s | {ours} s | {theirs or '-'} s | {ratio} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

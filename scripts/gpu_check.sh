@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The GPU check: ReCoVer's jobs on a machine with CUDA GPUs, with a killed worker, in exact
+# and fast mode, printing what ran (device named), the recovery times and the bitwise
+# verdict. Run it wherever a GPU is at hand and record its output in BENCHMARKS.md ("GPU
+# check"); until it has run, the README says GPU execution is untested.
+#
+#   bash scripts/gpu_check.sh [OUT]            (default OUT: runs/gpu-check)
+#
+# GPU_CHECK_ON_CPU=1 runs the same jobs without a GPU: a check of this script, nothing more.
+# It uses the torch already installed when that torch has CUDA (scripts/setup.sh installs
+# a CPU build: on a GPU machine install a CUDA torch first, e.g. into .venv). What runs:
+#   1 GPU or more: 2 replicas of 1 rank on the GPU(s) (slot modulo the GPUs seen), the
+#     cross-replica group on gloo with CUDA buffers staged through pinned host memory;
+#     exact: failure-free vs a replica killed in backward (bitwise verdict); fast: the same
+#     kill (recovery times).
+#   4 GPUs or more: also HSDP 2x2 (FSDP2 on each replica's own group: NCCL for CUDA
+#     tensors) exact, failure-free vs a rank killed in backward.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT="${1:-runs/gpu-check}"
+PY="${PYTHON:-.venv/bin/python}"
+[ -x "$PY" ] || PY=python3
+"$PY" -c "import recover.trainer" 2>/dev/null || "$PY" -m pip install -q -e .
+GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+if [ "$GPUS" = 0 ] && [ -z "${GPU_CHECK_ON_CPU:-}" ]; then
+  echo "gpu_check: no CUDA device visible to torch $("$PY" -c 'import torch; print(torch.__version__)'): nothing checked" >&2
+  exit 2
+fi
+mkdir -p "$OUT"
+echo "== device"
+command -v nvidia-smi >/dev/null && nvidia-smi -L || true
+"$PY" -c "
+import torch
+cuda = torch.cuda.is_available()
+print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version() if cuda else None)
+for i in range(torch.cuda.device_count() if cuda else 0):
+    print('gpu', i, torch.cuda.get_device_name(i))
+if not cuda:
+    print('no GPU: GPU_CHECK_ON_CPU runs the same jobs on the CPU (a check of this script only)')
+"
+
+JOB=(--steps 8 -M 8 --seed 1 --quiet)
+run() {  # run NAME ARGS... : one job, its summary's recoveries printed
+  local name=$1; shift
+  rm -rf "${OUT:?}/$name"
+  "$PY" -m recover.cli.main run --out "$OUT/$name" "$@" || { echo "gpu_check: $name failed (logs: $OUT/$name/logs)"; return 1; }
+  "$PY" - "$OUT/$name/summary.json" "$name" <<'EOF'
+import json, sys
+s = json.load(open(sys.argv[1]))
+times = [round(f["recovered_s"], 3) for f in s["failures"] if f.get("recovered_s")]
+print(f"{sys.argv[2]}: {s['state']}, {s['steps_committed']} steps, failures "
+      f"{[f['phase'] for f in s['failures']]}, kill -> computing again (s) {times}")
+EOF
+}
+verdict() { "$PY" -m recover.cli.main verify "$OUT/$1" "$OUT/$2"; }
+
+echo "== 2 replicas x 1 rank on $GPUS GPU(s), exact"
+run exact-ref --replicas 2 --reduce exact "${JOB[@]}" -- python examples/hsdp.py
+run exact-killed --replicas 2 --reduce exact "${JOB[@]}" --kill step=3,replica=1,phase=backward \
+  -- python examples/hsdp.py
+verdict exact-ref exact-killed
+echo "== 2 replicas x 1 rank, fast"
+run fast-killed --replicas 2 "${JOB[@]}" --kill step=3,replica=1,phase=backward -- python examples/hsdp.py
+
+if [ "$GPUS" -ge 4 ]; then
+  echo "== HSDP 2 replicas x 2 ranks (FSDP2 over NCCL inside each replica), exact"
+  run hsdp-ref --replicas 2 --ranks-per-replica 2 --reduce exact "${JOB[@]}" -- python examples/hsdp.py
+  run hsdp-killed --replicas 2 --ranks-per-replica 2 --reduce exact "${JOB[@]}" \
+    --kill step=3,replica=1,phase=backward,rank=1 -- python examples/hsdp.py
+  verdict hsdp-ref hsdp-killed
+else
+  echo "== HSDP 2x2 skipped: it needs 4 GPUs (NCCL refuses two ranks of one group on one GPU), $GPUS seen"
+fi
