@@ -202,10 +202,9 @@ def _check_ranks_per_replica(ranks: int, args: argparse.Namespace) -> str | None
         return f"--ranks-per-replica must be at most {MAX_RANKS_PER_REPLICA}, got {ranks}"
     if ranks == 1:
         return None
-    for flag, value in (("--spares", args.spares), ("--checkpoint-dir", args.checkpoint_dir)):
-        if value:
-            return (f"{flag} does not work with --ranks-per-replica {ranks} yet: hot spares "
-                    "and checkpoints of replicas of several ranks are not built")
+    if args.checkpoint_dir:
+        return (f"--checkpoint-dir does not work with --ranks-per-replica {ranks} yet: "
+                "checkpoints of replicas of several ranks are not built")
     return None
 
 

@@ -76,7 +76,8 @@ def test_hsdp_exact_is_bitwise_through_a_rank_lost_in_each_phase(tmp_path: Path)
     assert not [pid for ranks in pids.values() for pid in ranks if alive(pid)]
 
 
-def test_a_lost_sharded_replica_rejoins_rank_by_rank_bitwise(tmp_path: Path) -> None:
+def test_a_lost_sharded_replica_rejoins_rank_by_rank_or_a_spare_takes_its_place(
+        tmp_path: Path) -> None:
     """A rank killed: its replica is lost, restarted by its agent (both ranks), and joins
     with live state transfer rank by rank (donor rank k to joiner rank k, each its own
     FSDP2 shards and optimizer state); the job ends at full strength, bitwise the
@@ -98,6 +99,16 @@ def test_a_lost_sharded_replica_rejoins_rank_by_rank_bitwise(tmp_path: Path) -> 
     assert summary["replicas_per_step"][-1] == 2  # at full strength again
     log = (tmp_path / "rejoined" / "logs" / "controller.log").read_text()
     assert "replica-joined" in log and "state-transfer" in log, log[-2000:]
+
+    # With a hot spare (two ranks that keep a live copy, each of its donor rank's state):
+    # the lost replica's place is taken at once, and its restart becomes the next spare.
+    spared = run_recover(tmp_path / "spared", *layout, "--spares", "1", "--compute-ms", "30",
+                         "--kill", "step=6,replica=1,phase=forward,rank=0",
+                         "--", "python", EXAMPLE, timeout=240)
+    assert spared.returncode == 0, spared.stderr
+    assert_bitwise_identical(spared.summary, reference.summary)
+    log = (tmp_path / "spared" / "logs" / "controller.log").read_text()
+    assert "spare-promoted: replica 2 caught up: it enters at step 6" in log, log[-2000:]
 
 
 def test_pipeline_exact_is_bitwise_through_a_stage_lost_and_matches_one_process(

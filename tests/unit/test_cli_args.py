@@ -88,8 +88,6 @@ USAGE_CASES = [
     pytest.param(["run", "--kill", "step=1,replica=0,phase=forward,rank=2",
                   "--ranks-per-replica", "2"],
                  "rank 2 does not exist (a replica has 2 ranks", id="kill-rank-beyond-replica"),
-    pytest.param(["run", "--ranks-per-replica", "2", "--spares", "1"],
-                 "--spares does not work with --ranks-per-replica 2 yet", id="sharded-spares"),
     pytest.param(["run", "--ranks-per-replica", "2", "--checkpoint-dir", "/tmp/x"],
                  "--checkpoint-dir does not work with --ranks-per-replica 2 yet",
                  id="sharded-checkpoints"),
