@@ -196,18 +196,6 @@ def _check_kills(texts: list[str], args: argparse.Namespace) -> str | None:
 MAX_RANKS_PER_REPLICA = 1024
 
 
-def _check_ranks_per_replica(ranks: int, args: argparse.Namespace) -> str | None:
-    """What sharded replicas cannot do yet, refused before anything starts (not mid-run)."""
-    if ranks > MAX_RANKS_PER_REPLICA:
-        return f"--ranks-per-replica must be at most {MAX_RANKS_PER_REPLICA}, got {ranks}"
-    if ranks == 1:
-        return None
-    if args.checkpoint_dir:
-        return (f"--checkpoint-dir does not work with --ranks-per-replica {ranks} yet: "
-                "checkpoints of replicas of several ranks are not built")
-    return None
-
-
 def _check_slowdowns(texts: list[str], args: argparse.Namespace) -> str | None:
     specs = []
     for text in texts:
@@ -268,7 +256,8 @@ SETTINGS: tuple[Setting, ...] = (
             help="worker processes per replica (default 1): a replica shards its model over "
                  "its ranks (FSDP2 on recover.trainer's Job.replica_mesh) and is lost as a "
                  "unit; an agent's slots hold whole replicas",
-            check=_check_ranks_per_replica),
+            check=lambda v, a: None if v <= MAX_RANKS_PER_REPLICA else (
+                f"--ranks-per-replica must be at most {MAX_RANKS_PER_REPLICA}, got {v}")),
     Setting("--global-microbatches", "global_microbatches", short="-M", type=positive_int,
             default=16, help="microbatches summed by every step, whatever survives (default 16)",
             check=_checks(

@@ -52,8 +52,20 @@ class CheckpointError(Exception):
     """A checkpoint cannot be used; the message says which and why."""
 
 
+RANK_NAME = re.compile(r"^ckpt-(\d{10})\.rank(\d+)\.rcv$")
+
+
 def file_name(step: int) -> str:
     return f"ckpt-{step:010d}.rcv"
+
+
+def rank_file(head: Path, rank: int) -> Path:
+    """The file of rank `rank` of a checkpoint of a replica of several ranks, beside its head
+    (the file rank 0 writes, last, once every other rank's is in place: a head in the folder
+    means the whole set is). Rank 0's is the head itself."""
+    if rank == 0:
+        return head
+    return head.with_name(head.name.removesuffix(".rcv") + f".rank{rank}.rcv")
 
 
 def folder_key(folder: Path, create: bool = False) -> bytes:
@@ -69,14 +81,15 @@ def _mac(key: bytes) -> hmac.HMAC:
 
 
 def write(folder: Path, meta: pb.CheckpointMeta, chunks: Iterable[memoryview | bytes],
-          key: bytes | None = None) -> Path:
+          key: bytes | None = None, rank: int = 0) -> Path:
     """Write a checkpoint atomically, owner-only; returns its path. `chunks`: the tensors'
     bytes in the order of `meta.state.tensors`. `key`: default the folder's (created when
-    the folder has none)."""
+    the folder has none). `rank`: of a replica of several ranks, each writes its own file
+    (rank_file)."""
     if key is None:
         key = folder_key(folder, create=True)
     ckptkey.make_folder(folder)
-    target = folder / file_name(meta.step)
+    target = rank_file(folder / file_name(meta.step), rank)
     tmp = folder / f".{target.name}.{os.getpid()}.tmp"
     head = meta.SerializeToString()
     mac = _mac(key)
@@ -256,8 +269,8 @@ def prune(folder: Path, keep: int, key: bytes | None = None) -> list[Path]:
     would otherwise make every new checkpoint the one deleted."""
     if key is None:
         key = folder_key(folder)
-    kept, removed = 0, []
-    for _, path in listed(folder):
+    kept, removed, oldest_kept = 0, [], None
+    for step, path in listed(folder):
         if kept >= max(keep, 1):
             path.unlink(missing_ok=True)
             removed.append(path)
@@ -267,4 +280,10 @@ def prune(folder: Path, keep: int, key: bytes | None = None) -> list[Path]:
         except CheckpointError:
             continue
         kept += 1
+        oldest_kept = step
+    if oldest_kept is not None:  # other ranks' files of the sets deleted (or never finished)
+        for name in os.listdir(folder):
+            if (m := RANK_NAME.match(name)) and int(m.group(1)) < oldest_kept:
+                (folder / name).unlink(missing_ok=True)
+                removed.append(folder / name)
     return removed

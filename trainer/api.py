@@ -280,7 +280,7 @@ def train(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
             executor.checkpoints = CheckpointWriter(
                 proto.checkpoint, proto, job.replica,
                 lambda written: channel.send(pb.WorkerReport(checkpoint_written=written)),
-                first_step)
+                first_step, rank=job.replica_rank, ranks=job.replica_size)
         # Every rank's transfer address, in rank order: donor rank k streams to rank k.
         address = listener.address if lockstep is None else \
             ",".join(lockstep.gather_text(listener.address))

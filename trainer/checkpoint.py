@@ -47,9 +47,18 @@ def checkpoint_due(next_step: int, *, every_steps: int, every_s: float, last_ste
     return every_s > 0 and now - last_at >= every_s
 
 
+RANK_FILES_WAIT_S = 600.0
+"""How long rank 0 of a replica of several ranks waits for the others' files before it gives
+up that checkpoint (the set stays headless: never resumed from, pruned later)."""
+
+
 class CheckpointWriter:
     def __init__(self, config: pb.CheckpointConfig, job: pb.JobConfig, replica: int,
-                 report: Callable[[pb.CheckpointWritten], None], first_step: int) -> None:
+                 report: Callable[[pb.CheckpointWritten], None], first_step: int,
+                 rank: int = 0, ranks: int = 1) -> None:
+        self.rank, self.ranks = rank, ranks
+        """A replica of several ranks: each writes its own file (ckptfile.rank_file), rank 0
+        its head last, once the others' are in place."""
         self.config = config
         self.folder = Path(config.dir)
         self._job = job
@@ -92,7 +101,13 @@ class CheckpointWriter:
                snapshot_s: float) -> None:
         started = time.perf_counter()
         try:
-            path = ckptfile.write(self.folder, meta, (as_bytes(t) for t in tensors))
+            if self.rank == 0 and self.ranks > 1:
+                self._wait_for_rank_files(meta.step)
+            path = ckptfile.write(self.folder, meta, (as_bytes(t) for t in tensors),
+                                  rank=self.rank)
+            if self.rank > 0:
+                log.info("checkpoint of step %d: rank %d's part written", meta.step, self.rank)
+                return
             removed = ckptfile.prune(self.folder, self.config.keep or ckptfile.DEFAULT_KEEP)
         except (OSError, ckptfile.CheckpointError) as exc:  # a disk, or the folder's key
             log.error("checkpoint of step %d failed: %s", meta.step, exc)
@@ -104,6 +119,18 @@ class CheckpointWriter:
         self._report(pb.CheckpointWritten(step=meta.step, path=str(path),
                                           bytes=path.stat().st_size, write_s=write_s,
                                           snapshot_s=snapshot_s))
+
+    def _wait_for_rank_files(self, step: int) -> None:
+        """The other ranks write theirs in threads of their own processes: look for them in
+        the folder (it is this host's, like the ranks) rather than on the replica's group,
+        which belongs to the training loop."""
+        head = self.folder / ckptfile.file_name(step)
+        deadline = time.monotonic() + RANK_FILES_WAIT_S
+        while not all(ckptfile.rank_file(head, r).exists() for r in range(1, self.ranks)):
+            if time.monotonic() > deadline:
+                raise OSError(f"the other ranks' files of checkpoint {step} did not appear "
+                              f"within {RANK_FILES_WAIT_S:.0f}s")
+            time.sleep(0.01)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Let a write in progress finish (a job that ends keeps its last checkpoint)."""
@@ -167,6 +194,11 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     elif not where.exists():
         raise CheckpointError(f"no checkpoint file or folder {str(where)!r}")
     meta, state = load(str(where))
+    if meta.job.ranks_per_replica > 1:
+        raise CheckpointError(f"{where.name} is rank 0's part of a checkpoint of a replica of "
+                              f"{meta.job.ranks_per_replica} ranks (each rank's shards are in "
+                              "its own file): loading it whole is not built yet; "
+                              "`recover run --resume` continues the job from it")
     workload = state["workload"]
     return Checkpoint(path=where, step=meta.step, job_id=meta.job.job_id,
                       model=dict(workload["model"]), optimizer=workload["optimizer"],

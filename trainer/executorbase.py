@@ -13,11 +13,12 @@ from __future__ import annotations
 import logging
 import threading
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from recover.common.ckptfile import CheckpointError
+from recover.common.ckptfile import CheckpointError, rank_file
 from recover.common.progress import ProgressBeacon
 from recover.proto import pb
 from recover.trainer.channel import AgentChannel
@@ -151,8 +152,10 @@ class ExecutorBase(ABC):
         """The state a resumed job starts from: authenticated again here (the file may have
         changed since the launcher chose it), of the step the job resumes at, and holding
         the parameters the ledger committed for that step."""
+        rank = self.lockstep.ranks.rank if self.lockstep is not None else 0
+        path = str(rank_file(Path(resume.path), rank))
         try:
-            meta, state = load_checkpoint(resume.path)
+            meta, state = load_checkpoint(path)
         except (CheckpointError, OSError) as exc:
             raise contract_error(f"cannot resume from {resume.path}: {exc}",
                                  where="resume") from None

@@ -28,7 +28,8 @@ LAYOUT = ["--replicas", "3", "--ranks-per-replica", "2", "--steps", "6", "-M", "
           "--seed", "3", "--reduce", "exact", "--group-timeout", "600", "--quiet"]
 NO_RESTARTS = ["--max-restarts", "0"]  # the lost replicas stay lost: see the rejoin test
 FAULTS = ["step=1,replica=1,phase=backward,rank=1",  # inside FSDP's reduce-scatter hook
-          "step=3,replica=2,phase=reduce"]            # rank 0, in the cross-replica reduce
+          "step=3,replica=2,phase=reduce",            # rank 0, in the cross-replica reduce
+          "step=4,replica=0,phase=forward,rank=1"]    # the last replica: a total loss
 PIPELINE_FAULTS = ["step=1,replica=1,phase=forward",           # stage 0, as the schedule starts
                    "step=3,replica=2,phase=stop,rank=1"]       # SIGSTOP: the watchdog kills it
 
@@ -43,37 +44,46 @@ def pids_by_replica(logs: Path) -> dict[int, list[int]]:
     return found
 
 
-def test_hsdp_exact_is_bitwise_through_a_rank_lost_in_each_phase(tmp_path: Path) -> None:
+def test_hsdp_exact_is_bitwise_through_a_rank_lost_in_each_phase_and_a_resume(
+        tmp_path: Path) -> None:
+    """Every replica lost, one per phase (the last one a total loss), then the job resumed
+    from its newest checkpoint: a set of one file per rank, each rank's shards."""
     reference = run_recover(tmp_path / "reference", *LAYOUT, "--", "python", EXAMPLE,
                             "--save", str(tmp_path / "reference.pt"), timeout=240)
     assert reference.returncode == 0, reference.stderr
-    killed = run_recover(tmp_path / "killed", *LAYOUT, *NO_RESTARTS,
+    checkpoints = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "1"]
+    killed = run_recover(tmp_path / "killed", *LAYOUT, *NO_RESTARTS, *checkpoints,
                          *[part for fault in FAULTS for part in ("--kill", fault)],
-                         "--", "python", EXAMPLE, "--save", str(tmp_path / "killed.pt"),
+                         # The same command as the resumed run's (a resume checks it).
+                         "--", "python", EXAMPLE, "--save", str(tmp_path / "resumed.pt"),
                          timeout=240)
-    assert killed.returncode == 0, killed.stderr
-    summary = killed.summary
-
-    # Every step summed all 6 microbatches and the parameters after every step are the
-    # failure-free run's, bit for bit, on every live replica.
-    assert_bitwise_identical(summary, reference.summary)
-    assert summary["microbatches_per_step"] == [6] * 6
-    want = torch.load(tmp_path / "reference.pt")
-    got = torch.load(tmp_path / "killed.pt")
-    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
-
+    assert killed.returncode != 0 and "all replicas lost" in killed.stdout + killed.stderr
     # Each fault lost its whole replica.
-    failures = summary["failures"]
-    assert [(f["replica"], f["phase"], f["cause"]) for f in failures] == [
-        (1, "backward", "injected"), (2, "reduce", "injected")]
-    assert summary["live_replicas"] == [0]
+    assert [(f["replica"], f["phase"], f["cause"]) for f in killed.summary["failures"]] == [
+        (1, "backward", "injected"), (2, "reduce", "injected"), (0, "forward", "injected")]
     # The agent killed each lost replica's other rank at once (no rank of it lingers), and
     # every process of the job is gone.
     agent_logs = "".join(p.read_text() for p in (tmp_path / "killed" / "logs").glob("agent-*"))
-    assert agent_logs.count("killed the replica's other ranks") == 2, agent_logs
+    assert agent_logs.count("killed the replica's other ranks") == 3, agent_logs
     pids = pids_by_replica(tmp_path / "killed" / "logs")
     assert sorted(pids) == [0, 1, 2] and all(len(p) == 2 for p in pids.values())
     assert not [pid for ranks in pids.values() for pid in ranks if alive(pid)]
+    # The newest checkpoint is complete: rank 0's head and rank 1's file beside it.
+    assert (tmp_path / "ckpt" / "ckpt-0000000004.rcv").exists()
+    assert (tmp_path / "ckpt" / "ckpt-0000000004.rank1.rcv").exists()
+
+    resumed = run_recover(tmp_path / "resumed", *LAYOUT, *checkpoints,
+                          "--resume", str(tmp_path / "ckpt"),
+                          "--", "python", EXAMPLE, "--save", str(tmp_path / "resumed.pt"),
+                          timeout=240)
+    assert resumed.returncode == 0, resumed.stderr
+    # Every step summed all 6 microbatches and the parameters after every step are the
+    # failure-free run's, bit for bit, on every live replica, and so is the saved model.
+    assert_bitwise_identical(resumed.summary, reference.summary)
+    assert resumed.summary["microbatches_per_step"] == [6] * 6
+    want = torch.load(tmp_path / "reference.pt")
+    got = torch.load(tmp_path / "resumed.pt")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_a_lost_sharded_replica_rejoins_rank_by_rank_or_a_spare_takes_its_place(

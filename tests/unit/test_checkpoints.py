@@ -118,10 +118,10 @@ def test_a_slow_writer_makes_the_next_checkpoint_skip(tmp_path: Path, monkeypatc
     release = []
     original = ckptfile.write
 
-    def slow_write(folder, meta, chunks):  # a checkpoint still on its way to disk
+    def slow_write(folder, meta, chunks, **options):  # a checkpoint still on its way to disk
         while not release:
             time.sleep(0.01)
-        return original(folder, meta, chunks)
+        return original(folder, meta, chunks, **options)
 
     monkeypatch.setattr(ckptfile, "write", slow_write)
     reports: list[pb.CheckpointWritten] = []

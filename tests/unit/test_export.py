@@ -37,13 +37,13 @@ def trained() -> tuple[Tied, torch.optim.Optimizer]:
 
 
 def write_checkpoint(folder: Path, step: int, model: nn.Module,
-                     optimizer: torch.optim.Optimizer) -> Path:
+                     optimizer: torch.optim.Optimizer, rank: int = 0, ranks: int = 1) -> Path:
     state = {"workload": {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                           "extra": {}}, "reduction": {}}
     encoded = encode(state)
-    meta = pb.CheckpointMeta(job=pb.JobConfig(job_id="job-x", steps=9), step=step,
-                             state=encoded.manifest())
-    return ckptfile.write(folder, meta, (as_bytes(t) for t in encoded.tensors))
+    meta = pb.CheckpointMeta(job=pb.JobConfig(job_id="job-x", steps=9, ranks_per_replica=ranks),
+                             step=step, state=encoded.manifest())
+    return ckptfile.write(folder, meta, (as_bytes(t) for t in encoded.tensors), rank=rank)
 
 
 def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -81,6 +81,22 @@ def test_load_checkpoint_refuses_what_it_cannot_trust(tmp_path: Path) -> None:
         rt.load_checkpoint(tmp_path)
     with pytest.raises(rt.CheckpointError, match="no checkpoint file or folder"):
         rt.load_checkpoint(tmp_path / "missing.rcv")
+
+
+def test_a_sharded_replicas_checkpoint_is_refused_whole_and_pruned_as_a_set(
+        tmp_path: Path) -> None:
+    model, optimizer = trained()
+    for step in (2, 4, 6):
+        write_checkpoint(tmp_path, step, model, optimizer, rank=1, ranks=2)  # the others' first
+        head = write_checkpoint(tmp_path, step, model, optimizer, rank=0, ranks=2)
+    assert head.name == "ckpt-0000000006.rcv"
+    assert ckptfile.rank_file(head, 1).name == "ckpt-0000000006.rank1.rcv"
+    with pytest.raises(rt.CheckpointError, match="a replica of 2 ranks .* `recover run --resume`"):
+        rt.load_checkpoint(tmp_path)
+    ckptfile.prune(tmp_path, keep=2)  # the set of step 2 goes, its rank file with it
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == [
+        "ckpt-0000000004.rank1.rcv", "ckpt-0000000004.rcv",
+        "ckpt-0000000006.rank1.rcv", "ckpt-0000000006.rcv"]
 
 
 def test_export_writes_files_plain_torch_and_safetensors_load(
