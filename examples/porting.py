@@ -1,0 +1,90 @@
+"""A training script as people write them, ported to ReCoVer: mixed precision (bf16
+autocast), `torch.compile`, an LR schedule and clipping, an evaluation every few steps,
+TensorBoard logging and a final save, each on the first replica. README "Porting a
+training script" walks through it; `tests/integration/test_porting.py` runs it with kills.
+
+    recover run --replicas 4 --steps 20 --reduce exact -- python examples/porting.py \\
+        --tensorboard runs/tb --eval-every 5 --save runs/final.pt
+
+What changed from the plain loop: no `for step in ...`, no `backward()`/`step()`/
+`zero_grad()` calls (ReCoVer owns them, on committed steps only), and everything that writes
+(logging, evaluation output, the final save) happens where `is_first_replica` is true.
+"""
+
+import argparse
+import json
+
+import torch
+from toy_transformer import TinyTransformer, corpus, cross_entropy
+
+import recover.trainer as rt
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--microbatch-size", type=int, default=8)
+parser.add_argument("--lr", type=float, default=3e-3)
+parser.add_argument("--amp", choices=["bf16", "off"], default="bf16",
+                    help="autocast the forward to bfloat16 (the parameters stay float32)")
+parser.add_argument("--compile", choices=["off", "aot_eager", "inductor"], default="off",
+                    help="torch.compile backend (inductor needs a C++ compiler on a CPU)")
+parser.add_argument("--eval-every", type=int, default=5)
+parser.add_argument("--eval-out", default="", help="append one JSON line per evaluation")
+parser.add_argument("--tensorboard", default="", help="a TensorBoard log folder")
+parser.add_argument("--save", default="", help="write the final state_dict here")
+args = parser.parse_args()
+
+job = rt.init()
+torch.manual_seed(job.seed)  # every replica builds the same model
+model = TinyTransformer(width=32, depth=2)
+optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=5)
+# Compile the module ReCoVer computes with; its parameters are the model's own, so the
+# optimizer, the gradient buckets and the state ReCoVer sends are unchanged.
+forward = model if args.compile == "off" else torch.compile(model, backend=args.compile)
+data = corpus()
+train_set, eval_set = data[:3584], data[3584:]
+
+
+def loss_fn(model, batch):
+    # bf16 autocast around the forward only; the loss is computed in float32. No GradScaler:
+    # bf16 has float32's range (see the README for fp16).
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.amp == "bf16"):
+        logits = forward(batch[:, :-1])
+    return cross_entropy(logits.float(), batch[:, 1:]), batch[:, 1:].numel()
+
+
+writer = None  # made by whichever replica is first (the first one may be lost mid-run)
+
+
+def on_step(info: rt.StepInfo) -> None:
+    global writer
+    if not info.is_first_replica:
+        return
+    if args.tensorboard and writer is None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(args.tensorboard)
+    if writer is not None:
+        writer.add_scalar("train/loss", info.loss, info.step)
+        writer.add_scalar("train/lr", info.lr, info.step)
+    if (info.step + 1) % args.eval_every:
+        return
+    model.eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.amp == "bf16"):
+        eval_loss = float(cross_entropy(model(eval_set[:, :-1]).float(), eval_set[:, 1:]))
+    model.train()
+    if writer is not None:
+        writer.add_scalar("eval/loss", eval_loss, info.step)
+        writer.flush()
+    if args.eval_out:
+        with open(args.eval_out, "a") as f:
+            f.write(json.dumps({"step": info.step, "eval_loss": eval_loss}) + "\n")
+
+
+result = rt.train(job, model, optimizer, loss_fn=loss_fn, lr_scheduler=warmup,
+                  max_grad_norm=1.0, on_step_committed=on_step,
+                  microbatches=rt.DatasetMicrobatches(train_set, args.microbatch_size))
+if writer is not None:
+    writer.close()
+if args.save and result.success and result.is_first_replica:
+    torch.save(model.state_dict(), args.save)
+raise SystemExit(0 if result.success else 1)
