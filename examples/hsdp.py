@@ -12,6 +12,7 @@ writes the final model (gathered from the shards) from the first replica's rank 
 """
 
 import argparse
+import os
 
 import torch
 from torch.distributed.fsdp import fully_shard
@@ -28,6 +29,12 @@ parser.add_argument("--save", default="", help="write the final state_dict here"
 args = parser.parse_args()
 
 job = rt.init()
+if job.reduce == "exact" and job.device.type == "cuda":
+    # Exact mode recomputes a lost replica's microbatches on another replica and needs the
+    # same bits there: on a GPU that takes deterministic kernels (an embedding's backward
+    # accumulates with atomics otherwise), and cuBLAS needs a fixed workspace for them.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
 torch.manual_seed(job.seed)  # the same model on every rank of every replica
 model = TinyTransformer(args.width, args.layers).to(job.device)  # a slot's GPU, or the CPU
 if job.replica_size > 1:

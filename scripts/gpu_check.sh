@@ -9,7 +9,9 @@
 # GPU_CHECK_ON_CPU=1 runs the same jobs without a GPU: a check of this script, nothing more.
 # It uses the torch already installed when that torch has CUDA (scripts/setup.sh installs
 # a CPU build: on a GPU machine install a CUDA torch first, e.g. into .venv). What runs:
-#   1 GPU or more: 2 replicas of 1 rank on the GPU(s) (slot modulo the GPUs seen), the
+#   1 GPU or more: the group tests that need CUDA (tests/unit/test_groups.py: a CUDA buffer
+#     through gloo's pinned staging, the NCCL group's reduce and its abort of a member
+#     whose peer never comes); 2 replicas of 1 rank on the GPU(s) (slot modulo the GPUs seen), the
 #     cross-replica group on gloo with CUDA buffers staged through pinned host memory;
 #     exact: failure-free vs a replica killed in backward (bitwise verdict); fast: the same
 #     kill (recovery times).
@@ -38,6 +40,10 @@ for i in range(torch.cuda.device_count() if cuda else 0):
 if not cuda:
     print('no GPU: GPU_CHECK_ON_CPU runs the same jobs on the CPU (a check of this script only)')
 "
+
+echo "== the cross-replica groups on the GPU (gloo staging through pinned memory, NCCL)"
+"$PY" -m pytest -q -rs -s -p no:cacheprovider tests/unit/test_groups.py -k "cuda or nccl" \
+  || echo "gpu_check: group tests failed"
 
 JOB=(--steps 8 -M 8 --seed 1 --quiet)
 run() {  # run NAME ARGS... : one job, its summary's recoveries printed

@@ -112,13 +112,15 @@ def test_a_lost_sharded_replica_rejoins_rank_by_rank_or_a_spare_takes_its_place(
 
     # With a hot spare (two ranks that keep a live copy, each of its donor rank's state):
     # the lost replica's place is taken at once, and its restart becomes the next spare.
+    # (The kill lands as the replica applies step 6's commit: the last phase of a step.)
     spared = run_recover(tmp_path / "spared", *layout, "--spares", "1", "--compute-ms", "30",
-                         "--kill", "step=6,replica=1,phase=forward,rank=0",
+                         "--kill", "step=6,replica=1,phase=commit,rank=1",
                          "--", "python", EXAMPLE, timeout=240)
     assert spared.returncode == 0, spared.stderr
     assert_bitwise_identical(spared.summary, reference.summary)
+    assert [f["phase"] for f in spared.summary["failures"]] == ["commit"]
     log = (tmp_path / "spared" / "logs" / "controller.log").read_text()
-    assert "spare-promoted: replica 2 caught up: it enters at step 6" in log, log[-2000:]
+    assert "spare-promoted: replica 2 caught up" in log, log[-2000:]
 
 
 def test_pipeline_exact_is_bitwise_through_a_stage_lost_and_matches_one_process(

@@ -174,7 +174,10 @@ def test_a_resume_that_is_another_job_is_one_line(tmp_path: Path, changes, messa
 
 class Resuming:
     """What ExecutorBase.load_checkpoint needs of a replica: a model to load into, and its
-    step digest (a model without buffers: its parameter digest)."""
+    step digest (a model without buffers: its parameter digest). One process per replica:
+    no lockstep, so it reads the set's head file."""
+
+    lockstep = None
 
     def __init__(self, model: nn.Module) -> None:
         self.workload = SimpleNamespace(model=model, digest=lambda: parameter_digest(model))

@@ -5,6 +5,7 @@ sums and injected failures. Multi-process gloo behaviour is tests/integration/te
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -153,6 +154,62 @@ def test_the_gloo_group_reduces_a_cuda_buffer_through_pinned_memory() -> None:
     assert torch.equal(buffer, expected) and len(staging) == 1
     ((_, _, pinned),) = staging._cache.keys()
     assert pinned and next(iter(staging._cache.values())).is_pinned()
+
+
+needs_nccl = pytest.mark.skipif(not nccl_available(),
+                                reason="no CUDA device with NCCL: the NCCL group cannot run here")
+
+
+@needs_nccl
+def test_the_nccl_group_reduces_a_cuda_buffer_and_refuses_a_host_one() -> None:
+    server = RendezvousServer()
+    group = NcclGroup(GroupSpec(1, 0, 1, "127.0.0.1", server.port, timeout_s=30))
+    try:
+        group.connect()
+        buffer = torch.linspace(-1, 1, 1 << 16, device="cuda")
+        expected = buffer.clone()
+        group.allreduce_sum_(buffer)  # a sum over one member is the identity
+        assert torch.equal(buffer, expected) and not group.aborted
+        with pytest.raises(ValueError, match="reduces CUDA tensors"):
+            group.allreduce_sum_(torch.ones(4))
+    finally:
+        group.close()
+        server.close()
+    with pytest.raises(CollectiveAborted):
+        group.allreduce_sum_(buffer)
+
+
+@needs_nccl
+def test_abort_frees_a_member_whose_peer_never_comes_within_a_second() -> None:
+    # The peer of a two-member generation never connects (it died before the rendezvous):
+    # whether NCCL holds the member in its init or in the first allreduce, abort() from
+    # another thread (the controller's new generation) must end the wait at once, not at
+    # the group's 60 s timeout.
+    server = RendezvousServer()
+    group = NcclGroup(GroupSpec(2, 0, 2, "127.0.0.1", server.port, timeout_s=60))
+    outcome: list[BaseException | None] = []
+
+    def member() -> None:
+        try:
+            group.connect()
+            group.allreduce_sum_(torch.ones(1024, device="cuda"))
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            outcome.append(e)
+
+    thread = threading.Thread(target=member, daemon=True)
+    thread.start()
+    thread.join(2.0)
+    assert thread.is_alive() and not outcome  # still waiting for the peer
+    started = time.monotonic()
+    group.abort()
+    thread.join(10.0)
+    took = time.monotonic() - started
+    print(f"NCCL abort ended the wait in {took * 1000:.0f} ms")
+    group.close()
+    server.close()
+    assert not thread.is_alive() and isinstance(outcome[0], CollectiveAborted)
+    assert took < 1.0, f"abort took {took:.2f} s"
 
 
 # ---------------------------------------------------------------- the fake

@@ -8,8 +8,8 @@ must be able to give that group up in milliseconds when the membership changes
 GPU job the NCCL group (`groups.nccl`) without the executor knowing which it got.
 
 Implementations: `groups.gloo` (the default; CPU buffers, CUDA ones staged through pinned
-host memory), `groups.nccl` (CUDA buffers; untested without a GPU), `groups.fake`
-(threads of one process; a unit-test seam only).
+host memory), `groups.nccl` (CUDA buffers; run in its own tests on one GPU, not yet
+selectable for a job), `groups.fake` (threads of one process; a unit-test seam only).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The NCCL cross-replica group: one ProcessGroupNCCL per generation, aborted with `abort()`.
 
-UNTESTED: no GPU was available where this was written. It follows the regime that is
+Run on one H100 by its own tests (a one-member reduce; abort() freeing a member whose peer
+never came), not yet in a job: no job setting selects it. It follows the regime that is
 known to work elsewhere (torchft's ProcessGroupNCCL): a communicator built directly on a
 PrefixStore per generation (no global c10d state), non-blocking (`config.blocking =
 False`) so that `abort()` from another thread can end an init or a collective in flight,

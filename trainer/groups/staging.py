@@ -7,8 +7,8 @@ copies are DMA transfers that need no extra bounce buffer, and it is cached by s
 dtype: the buckets have the same shapes every step, and pinning memory is expensive
 (a cudaHostAlloc per step would cost more than the copy).
 
-Untested on a GPU (none was available): the CPU path runs through the same code with
-`force=True`, which stages a CPU buffer exactly as it would a device one.
+Run on one H100 (scripts/gpu_check.sh, BENCHMARKS.md section 13); without a GPU the same
+code runs with `force=True`, which stages a CPU buffer exactly as it would a device one.
 """
 
 from __future__ import annotations
