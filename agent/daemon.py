@@ -40,7 +40,7 @@ from recover.agent.workers import (
     spawn_replica,
     stop_workers,
 )
-from recover.common.netaddr import local_address_towards
+from recover.common.netaddr import local_address_towards, write_port_file
 from recover.common.security import Security
 from recover.proto import pb, rpc
 
@@ -81,6 +81,8 @@ class AgentConfig:
     """Serve Prometheus metrics on 127.0.0.1:PORT/metrics (0: any free port; None: off)."""
     metrics_host: str = "127.0.0.1"
     """Address the metrics endpoint listens on."""
+    metrics_port_file: str | None = None
+    """Write the metrics endpoint's port here once it listens."""
     max_restarts: int = 3
     """Times a slot's worker is replaced after it dies (with backoff) within
     `restart_window_s`; 0: never."""
@@ -148,6 +150,8 @@ class Agent:
                                       registry=registry)
         self.metrics_port = server.server_port
         log.info("metrics on http://%s:%d/metrics", self.config.metrics_host, self.metrics_port)
+        if self.config.metrics_port_file:
+            write_port_file(self.config.metrics_port_file, self.metrics_port)
 
     def _registration(self, resume: bool) -> pb.AgentMessage:
         """The first message of a session: register, or rejoin a new leader with live workers."""

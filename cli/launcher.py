@@ -23,6 +23,7 @@ from recover.cli.inspect import format_event, format_load
 from recover.cli.jobargs import UsageError, job_from_args
 from recover.cli.localtls import local_tls
 from recover.cli.preflight import check_out, check_store
+from recover.cli.scrape import TARGETS_FILE, MetricsPorts, endpoint, write_targets
 from recover.client.connect import ControllerUnreachable, connect_leader
 from recover.client.launch import hand_over
 from recover.common import ckptfile
@@ -215,6 +216,11 @@ def run_local(args: argparse.Namespace) -> int:
         agents = 1
     if not 1 <= agents <= job_config.replicas:
         raise UsageError(f"--agents must be between 1 and --replicas ({job_config.replicas})")
+    processes = args.controllers + agents
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65536 - processes:
+        raise UsageError(f"recover run: --metrics-port {args.metrics_port}: give 0 (free ports) "
+                         f"or a port with {processes} consecutive ports free "
+                         "from it (one per controller and agent)")
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -226,6 +232,8 @@ def run_local(args: argparse.Namespace) -> int:
     job_file = out / "job.binpb"  # the job for the controllers, removed with the port files
     tls = local_tls(out / "tls", agents) if args.tls else None
     job = LocalJob(out)
+    metrics = (MetricsPorts(out, args.metrics_port, args.controllers)
+               if args.metrics_port is not None else None)
     signal.signal(signal.SIGTERM, _terminate)
     progress = Progress(enabled=not args.quiet)
     python = sys.executable
@@ -239,6 +247,7 @@ def run_local(args: argparse.Namespace) -> int:
                 "--controller-id", controller_name(index), "--start-timeout",
                 repr(args.start_timeout), "--start-grace", repr(args.start_grace),
                 *(tls.flags("controller") if tls else []),
+                *(metrics.flags(controller_name(index), index) if metrics else []),
                 *handed_over])
         addresses = [f"127.0.0.1:{_wait_for_port(job, controller_name(i), f)}"
                      for i, f in enumerate(port_files)]
@@ -254,12 +263,17 @@ def run_local(args: argparse.Namespace) -> int:
                 *(["--cold-start"] if args.cold_start else []),
                 *(["--attach", str(args.attach), "--attach-file", str(out / "attach.json"),
                    "--max-restarts", "0"] if args.attach is not None else []),
-                *(tls.flags(f"host{index}") if tls else [])])
+                *(tls.flags(f"host{index}") if tls else []),
+                *(metrics.flags(f"host{index}", metrics.agent_index(index)) if metrics else [])])
+        endpoints = (_metrics_endpoints(job, metrics, agents, bool(tls), job_config.job_id)
+                     if metrics else {})
         print(f"recover run: job {job_config.job_id}, {job_config.replicas} replicas on {agents} "
               f"agents, controller{'s' if len(addresses) > 1 else ''} {address}, logs in "
               f"{job.logs}", file=sys.stderr)
         report = _watch(job, addresses, progress, tls.security("launcher") if tls else None)
         summary = build_summary(report, time.monotonic() - started)
+        if endpoints:
+            summary["metrics"] = endpoints
         write_summary(summary, out)
         progress.done()
         print(format_summary(summary))
@@ -284,6 +298,24 @@ def run_local(args: argparse.Namespace) -> int:
         job.stop()
         for path in [*port_files, job_file]:
             path.unlink(missing_ok=True)
+        if metrics:  # the job is over: nothing left to scrape
+            for path in [*out.glob("*.metrics-port"), out / TARGETS_FILE]:
+                path.unlink(missing_ok=True)
+
+
+def _metrics_endpoints(job: LocalJob, metrics: MetricsPorts, agents: int, tls: bool,
+                       job_id: str) -> dict[str, str]:
+    """Each process's metrics URL once it listens, printed and written for Prometheus."""
+    names = [n for n in job.processes if n.startswith("controller")]
+    endpoints = {name: endpoint(_wait_for_port(job, name, metrics.port_file(name)), tls)
+                 for name in names}
+    for index in range(agents):  # an agent's metrics are plain HTTP on loopback
+        endpoints[f"host{index}"] = endpoint(
+            _wait_for_port(job, f"agent-{index}", metrics.port_file(f"host{index}")), False)
+    targets = write_targets(job.out, job_id, endpoints)
+    print(f"recover run: metrics {', '.join(f'{n} {u}' for n, u in endpoints.items())} "
+          f"(Prometheus targets: {targets})", file=sys.stderr)
+    return endpoints
 
 
 def _print_user_traceback(summary: dict[str, object]) -> None:

@@ -105,6 +105,11 @@ def build_parser() -> Parser:
     run.add_argument("--tls", action="store_true",
                      help="mutual TLS between every component of the local job (a throwaway "
                           "CA and certificates in OUT/tls)")
+    run.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                     help="serve Prometheus metrics from every controller and agent of the job: "
+                          "on PORT, PORT+1, ... (controllers first), or on free ports with 0; "
+                          "the addresses are printed, in summary.json and in "
+                          "OUT/prometheus-targets.json (for Prometheus' file_sd_configs)")
     run.add_argument("--controllers", type=int, default=1,
                      help="controller processes (one leads, the others stand by; needs an etcd "
                           "--store when more than 1)")
@@ -123,7 +128,12 @@ def build_parser() -> Parser:
     ctl.add_argument("--store-timeout", type=positive_seconds, default=10.0,
                      help="seconds the store gets to answer at start before giving up (default 10)")
     ctl.add_argument("--metrics-port", type=int, default=None,
-                     help="serve Prometheus metrics on this port (0: any free port)")
+                     help="serve Prometheus metrics on this port (0: any free port); HTTPS "
+                          "under TLS, with client certificates when --tls-ca is given")
+    ctl.add_argument("--metrics-host", default=None,
+                     help="address the metrics endpoint listens on (default: --host)")
+    ctl.add_argument("--metrics-port-file", default=None,
+                     help="write the metrics endpoint's port here once it listens")
     ctl.add_argument("--agent-timeout", type=positive_seconds, default=3.0,
                      help="seconds of heartbeat silence before an agent is declared lost")
     ctl.add_argument("--start-timeout", type=positive_seconds, default=120.0,
@@ -156,7 +166,12 @@ def build_parser() -> Parser:
     agent.add_argument("--agent-id", default=None, help="unique name (default: host + random)")
     agent.add_argument("--log-dir", default=None, help="write worker output to LOG_DIR/replica-N.log")
     agent.add_argument("--metrics-port", type=int, default=None,
-                       help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (0: any free port)")
+                       help="serve Prometheus metrics on METRICS_HOST:PORT/metrics (0: any free "
+                            "port)")
+    agent.add_argument("--metrics-host", default="127.0.0.1",
+                       help="address the metrics endpoint listens on (default 127.0.0.1)")
+    agent.add_argument("--metrics-port-file", default=None,
+                       help="write the metrics endpoint's port here once it listens")
     agent.add_argument("--connect-timeout", type=positive_seconds, default=10.0,
                        help="seconds to wait for the controller at start")
     agent.add_argument("--attach", type=int, default=None, metavar="PID",
@@ -260,7 +275,8 @@ def _run_controller(args: argparse.Namespace) -> int:
     config = ControllerConfig(host=args.host, port=args.port, port_file=args.port_file,
                               store_url=args.store, agent_timeout_s=args.agent_timeout,
                               start_timeout_s=args.start_timeout, linger_s=args.linger,
-                              metrics_port=args.metrics_port, advertise=args.advertise,
+                              metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                              metrics_port_file=args.metrics_port_file, advertise=args.advertise,
                               controller_id=args.controller_id, lease_ttl_s=args.lease_ttl,
                               summary_dir=args.summary_out, start_grace_s=args.start_grace,
                               security=security)
@@ -284,6 +300,7 @@ def _run_agent(args: argparse.Namespace) -> int:
     config = AgentConfig(controller=args.controller, slots=args.slots,
                          command=command or None, log_dir=args.log_dir,
                          connect_timeout_s=args.connect_timeout, metrics_port=args.metrics_port,
+                         metrics_host=args.metrics_host, metrics_port_file=args.metrics_port_file,
                          max_restarts=args.max_restarts, warm_start=not args.cold_start,
                          attach_pid=args.attach, attach_file=args.attach_file,
                          restart_window_s=args.restart_window, security=security,

@@ -1,8 +1,10 @@
-"""Which local address reaches a given peer."""
+"""Which local address reaches a given peer; where a server says which port it bound."""
 
 from __future__ import annotations
 
+import os
 import socket
+from pathlib import Path
 
 
 def local_address_towards(host: str, port: int) -> str | None:
@@ -16,6 +18,14 @@ def local_address_towards(host: str, port: int) -> str | None:
             return str(probe.getsockname()[0])
     except (OSError, OverflowError):
         return None
+
+
+def write_port_file(path: str | Path, port: int) -> None:
+    """Write the port a server bound (port 0: the kernel chose it) where a launcher waits for
+    it; atomically, so the reader never sees a half-written number."""
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(str(port))
+    os.replace(tmp, path)
 
 
 def is_loopback(host: str) -> bool:

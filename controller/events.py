@@ -68,7 +68,7 @@ class EventLog:
     async def flush(self) -> None:
         """Persist the events emitted since the last flush."""
         if self._pending:
-            await self._records.store.put_many(self.take_pending())
+            await self._records.put_many(self.take_pending())
 
     def take_pending(self) -> list[KeyValue]:
         """The writes waiting for the next flush, handed over to ride along with a write the

@@ -6,6 +6,7 @@ walks the coordinator's state. Names (all prefixed `recover_`):
 | metric | type | meaning |
 |---|---|---|
 | `recover_live_replicas` | gauge | replicas alive in the job |
+| `recover_target_replicas` | gauge | replicas the job asks for (`--replicas`; spares not counted) |
 | `recover_live_agents` | gauge | agents with a live session |
 | `recover_generation` | gauge | current membership generation |
 | `recover_steps_committed_total` | counter | committed steps |
@@ -30,6 +31,7 @@ walks the coordinator's state. Names (all prefixed `recover_`):
 | `recover_joins_abandoned_total` | counter | joins given up after their attempts |
 | `recover_state_transfer_seconds` | histogram | time to transfer a donor's snapshot to a joiner |
 | `recover_last_checkpoint_step` | gauge | step of the newest checkpoint written (-1: none) |
+| `recover_store_write_seconds` | histogram | store time per write of the records (a put or a transaction) |
 | `recover_rejected_total` | counter, by reason | refused registrations, reports and calls (authz.py) |
 """
 
@@ -48,6 +50,7 @@ from prometheus_client.registry import Collector
 
 from recover.controller.coordinator import Coordinator, JobState
 from recover.controller.leader import LeaderElection
+from recover.controller.records import STORE_WRITE_BUCKETS
 from recover.controller.recoveries import PHASES
 
 RECOVERY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -68,6 +71,7 @@ class ControllerCollector(Collector):
 
         yield gauge("recover_live_replicas", "Replicas alive in the job",
                     sum(r.alive for r in c.replicas.values()))
+        yield gauge("recover_target_replicas", "Replicas the job asks for", c.view.job.replicas)
         yield gauge("recover_live_agents", "Agents with a live session",
                     sum(a.alive for a in c.agents.values()))
         yield gauge("recover_generation", "Current membership generation", c.generation)
@@ -132,6 +136,12 @@ class ControllerCollector(Collector):
         transfer.add_metric([], [(str(b), sum(v <= b for v in seconds)) for b in TRANSFER_BUCKETS]
                             + [("+Inf", len(seconds))], sum_value=sum(seconds))
         yield transfer
+        writes = c.records.write_latency
+        store = HistogramMetricFamily("recover_store_write_seconds",
+                                      "Store time per write of the job's records")
+        store.add_metric([], [*zip(map(str, STORE_WRITE_BUCKETS), writes.buckets, strict=True),
+                              ("+Inf", writes.count)], sum_value=writes.total_s)
+        yield store
         yield gauge("recover_last_checkpoint_step", "Step of the newest checkpoint written",
                     c.last_checkpoint.step if c.last_checkpoint is not None else -1)
         rejected = CounterMetricFamily("recover_rejected", "Refused messages and calls by reason",

@@ -24,6 +24,7 @@ Patroni's `AbstractDCS` returning an immutable `Cluster` is the model.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -144,30 +145,65 @@ def _parsed(kind: type[M], raw: bytes | None) -> M | None:
     return kind.FromString(raw) if raw else None
 
 
+STORE_WRITE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+"""Upper bounds (s) of `recover_store_write_seconds`: the memory store writes in
+microseconds, etcd on a local disk in about a millisecond, a slow disk in tens."""
+
+
+class WriteLatency:
+    """How long the store took for each write (one put or one transaction), counted into
+    histogram buckets as it happens: a scrape reads counters, and a long job keeps no list."""
+
+    def __init__(self) -> None:
+        self.buckets = [0] * len(STORE_WRITE_BUCKETS)
+        """Writes that took at most each bound (cumulative, as Prometheus wants them)."""
+        self.count = 0
+        self.total_s = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.count += 1
+        self.total_s += seconds
+        for index, bound in enumerate(STORE_WRITE_BUCKETS):
+            if seconds <= bound:
+                self.buckets[index] += 1
+
+
 class Records:
     """Reads and writes a job's records; the only code that knows the keys (JobKeys)."""
 
     def __init__(self, store: Store, job_id: str) -> None:
         self.store = store
         self.keys = JobKeys(job_id)
+        self.write_latency = WriteLatency()
+
+    async def put(self, key: str, value: bytes) -> None:
+        started = time.perf_counter()
+        await self.store.put(key, value)
+        self.write_latency.observe(time.perf_counter() - started)
+
+    async def put_many(self, writes: list[KeyValue]) -> None:
+        """Several records in one transaction (every write of a job's records is timed)."""
+        started = time.perf_counter()
+        await self.store.put_many(writes)
+        self.write_latency.observe(time.perf_counter() - started)
 
     # ------------------------------------------------------------ writes
 
     async def save_job(self, job: pb.JobConfig) -> None:
-        await self.store.put(self.keys.job, job.SerializeToString())
+        await self.put(self.keys.job, job.SerializeToString())
 
     async def save_agent(self, job: pb.JobConfig, agent: pb.AgentRecord) -> None:
         """An agent's replicas, with the job (so a new leader never finds agents without it)."""
-        await self.store.put_many([(self.keys.job, job.SerializeToString()),
+        await self.put_many([(self.keys.job, job.SerializeToString()),
                                    (self.keys.agent(agent.agent_id), agent.SerializeToString())])
 
     async def save_workload(self, workload: pb.WorkloadInfo) -> None:
-        await self.store.put(self.keys.workload, workload.SerializeToString())
+        await self.put(self.keys.workload, workload.SerializeToString())
 
     async def save_view(self, view: pb.GenerationView, riding_along: list[KeyValue]) -> None:
         """A generation, before anyone hears of it; `riding_along`: deferred writes (events,
         failures) that must not be lost with a leader deposed right after."""
-        await self.store.put_many([*riding_along, (self.keys.generation, view.SerializeToString())])
+        await self.put_many([*riding_along, (self.keys.generation, view.SerializeToString())])
 
     async def commit_step(self, record: pb.StepRecord, previous: pb.StepRecord | None,
                           next_plan: pb.Plan | None) -> None:
@@ -179,14 +215,14 @@ class Records:
             writes.append((self.keys.step(previous.step), previous.SerializeToString()))
         if next_plan is not None:
             writes.append((self.keys.plan, next_plan.SerializeToString()))
-        await self.store.put_many(writes)
+        await self.put_many(writes)
 
     async def save_step(self, record: pb.StepRecord) -> None:
         """A committed step's record again (with the parameter digests reported since)."""
-        await self.store.put(self.keys.step(record.step), record.SerializeToString())
+        await self.put(self.keys.step(record.step), record.SerializeToString())
 
     async def save_result(self, result: pb.Shutdown) -> None:
-        await self.store.put(self.keys.result, result.SerializeToString())
+        await self.put(self.keys.result, result.SerializeToString())
 
     def event_write(self, event: pb.Event) -> KeyValue:
         return self.keys.event(event.seq), event.SerializeToString()

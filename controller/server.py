@@ -17,7 +17,7 @@ import grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
 from recover.common import ckptfile
-from recover.common.netaddr import is_loopback
+from recover.common.netaddr import is_loopback, write_port_file
 from recover.common.security import Authenticator, Security, exposure, server_credentials
 from recover.controller.coordinator import Coordinator, JobState
 from recover.controller.gate import Gate, add_service
@@ -61,7 +61,13 @@ class ControllerConfig:
     linger_s: float | None = None
     """Exit this long after the job ends (None: serve status until signalled)."""
     metrics_port: int | None = None
-    """Serve Prometheus metrics on http://host:PORT/metrics (0: any free port; None: off)."""
+    """Serve Prometheus metrics on http://METRICS_HOST:PORT/metrics (0: any free port; None:
+    off). Under TLS the endpoint is HTTPS, with client certificates when `security.ca` is set."""
+    metrics_host: str | None = None
+    """Address the metrics endpoint listens on (None: `host`)."""
+    metrics_port_file: str | None = None
+    """Write the metrics endpoint's port here once it listens (for a launcher or a scraper's
+    file-based discovery)."""
     advertise: str | None = None
     """host:port agents and users reach this controller at (default: host and the bound port)."""
     controller_id: str | None = None
@@ -128,13 +134,15 @@ async def serve(config: ControllerConfig, job: pb.JobConfig) -> int:
     if config.metrics_port is not None:
         tls = dict(certfile=security.cert, keyfile=security.key, client_cafile=security.ca or None,
                    client_auth_required=bool(security.ca)) if security.cert else {}
-        metrics_server, _ = start_http_server(config.metrics_port, config.host, registry=registry,
+        metrics_host = config.metrics_host or config.host
+        metrics_server, _ = start_http_server(config.metrics_port, metrics_host, registry=registry,
                                               **tls)
-        log.info("metrics on http://%s:%d/metrics", config.host, metrics_server.server_port)
+        log.info("metrics on %s://%s:%d/metrics", "https" if tls else "http", metrics_host,
+                 metrics_server.server_port)
+        if config.metrics_port_file:
+            write_port_file(config.metrics_port_file, metrics_server.server_port)
     if config.port_file:
-        tmp = Path(f"{config.port_file}.tmp")
-        tmp.write_text(str(port))
-        os.replace(tmp, config.port_file)
+        write_port_file(config.port_file, port)
     log.info("controller %s listening on %s (rendezvous %s, store %s)", election.controller_id,
              address, rendezvous.address, config.store_url)
 

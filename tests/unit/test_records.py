@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from recover.controller.records import JobKeys, PersistedJob, Records
+from recover.controller.records import JobKeys, PersistedJob, Records, WriteLatency
 from recover.controller.store import MemoryStore
 from recover.proto import pb
 
@@ -68,3 +68,30 @@ def test_the_plan_the_workers_hold(view_step: int, stored_step: int | None, step
     held, reason = PersistedJob(view=view, plan=stored).plan_held_for(step)
     assert held == {"view": view.plan, "stored": stored, None: None}[found]
     assert why in reason
+
+
+@pytest.mark.parametrize(("seconds", "in_buckets"), [
+    (0.0002, 11),  # under the first bound: counted in every bucket
+    (0.003, 8),  # between 2.5 ms and 5 ms
+    (0.7, 1),  # only the 1 s bucket
+    (3.0, 0),  # only +Inf (the count)
+], ids=["sub-ms", "ms", "slow", "beyond"])
+def test_store_write_times_fall_into_cumulative_buckets(seconds: float, in_buckets: int) -> None:
+    latency = WriteLatency()
+    latency.observe(seconds)
+    assert sum(latency.buckets) == in_buckets and latency.count == 1
+    assert latency.buckets == sorted(latency.buckets)  # cumulative: never fewer further up
+    assert latency.total_s == seconds
+
+
+def test_every_write_of_the_records_is_timed() -> None:
+    async def run() -> Records:
+        records = Records(MemoryStore(), "j")
+        await records.save_job(pb.JobConfig(job_id="j"))
+        await records.commit_step(pb.StepRecord(step=0), None, plan(1))
+        await records.save_view(pb.GenerationView(generation=1), [])
+        return records
+
+    records = asyncio.run(run())
+    assert records.write_latency.count == 3
+    assert records.write_latency.buckets[-1] == 3  # the memory store: well under a second

@@ -1,0 +1,146 @@
+"""deploy/slurm/recover.sbatch under a real Slurm (Debian's slurm-wlm and munge).
+
+Multi-process on purpose (issue 24): a single-host Slurm cluster of two nodes (two slurmd
+daemons with their own ports on loopback, one slurmctld, munge for authentication) is
+brought up in a temporary folder; the batch script is submitted with `sbatch --wait`, a
+worker is killed in the middle of a step, and the job must train to the end with every
+agent named after its node, mutual TLS from the job's shared folder, and summary.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.etcd_cluster import free_port
+from tests.integration.conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "sinfo")
+
+
+def slurm_conf(root: Path, host: str) -> str:
+    nodes = "\n".join(
+        f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={free_port()} "
+        "CPUs=2 RealMemory=2000" for name in ("n1", "n2"))
+    return f"""ClusterName=recovertest
+SlurmctldHost={host}(127.0.0.1)
+SlurmctldPort={free_port()}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+AuthInfo=socket={root}/munge/munge.sock
+CredType=cred/munge
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool/%n
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd-%n.pid
+SlurmctldLogFile={root}/log/slurmctld.log
+SlurmdLogFile={root}/log/slurmd-%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+MpiDefault=none
+ReturnToService=2
+SchedulerType=sched/backfill
+JobCompType=jobcomp/none
+AccountingStorageType=accounting_storage/none
+{nodes}
+PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE
+"""
+
+
+@pytest.fixture
+def slurm(tmp_path: Path) -> Iterator[dict[str, str]]:
+    """A two-node Slurm on this host; yields the environment its commands need."""
+    missing = [d for d in DAEMONS if shutil.which(d) is None]
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not installed (scripts/test.sh installs the Debian "
+                    "packages slurm-wlm and munge)")
+    root = tmp_path / "slurm"
+    for folder in ("munge", "state", "spool", "log"):
+        (root / folder).mkdir(parents=True, mode=0o700)
+    key = root / "munge" / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o600)
+    conf = root / "slurm.conf"
+    conf.write_text(slurm_conf(root, socket.gethostname().split(".")[0]))
+    env = dict(os.environ, SLURM_CONF=str(conf))
+    processes: list[subprocess.Popen[bytes]] = []
+    log = open(root / "log" / "daemons.log", "wb")  # noqa: SIM115 - closed below
+
+    def start(*argv: str) -> None:
+        processes.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+
+    try:
+        munge = root / "munge"
+        start("munged", "--foreground", "--force", f"--socket={munge / 'munge.sock'}",
+              f"--key-file={key}", f"--pid-file={munge / 'munged.pid'}",
+              f"--log-file={munge / 'munged.log'}", f"--seed-file={munge / 'seed'}")
+        deadline = time.monotonic() + 30
+        while not (munge / "munge.sock").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        start("slurmctld", "-D", "-i")
+        start("slurmd", "-D", "-N", "n1")
+        start("slurmd", "-D", "-N", "n2")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            state = subprocess.run(["sinfo", "-h", "-o", "%t", "-N"], env=env,
+                                   capture_output=True, text=True, timeout=30).stdout.split()
+            if state == ["idle", "idle"]:
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"Slurm's nodes did not come up: {state}; "
+                        f"{(root / 'log' / 'slurmctld.log').read_text()[-2000:]}")
+        yield env
+    finally:
+        for process in reversed(processes):
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in processes:
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        log.close()
+
+
+def test_the_batch_script_trains_through_a_killed_worker(slurm: dict[str, str],
+                                                          tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = dict(slurm, RECOVER_BIN=f"{sys.executable} -m recover.cli.main",
+               RECOVER_HOST="127.0.0.1", RECOVER_OUT=str(out), RECOVER_TLS="1",
+               RECOVER_AGENT_FLAGS="--max-restarts 1")
+    result = subprocess.run(
+        ["sbatch", "--wait", "--nodes", "2", str(REPO / "deploy" / "slurm" / "recover.sbatch"),
+         "--replicas", "2", "--steps", "12", "-M", "4", "-B", "2", "--compute-ms", "20",
+         "--kill", "step=4,replica=1,phase=backward"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    batch_output = "\n".join(p.read_text() for p in tmp_path.glob("recover-*.out"))
+    assert result.returncode == 0, result.stderr + batch_output
+    assert "the job ended succeeded" in batch_output, batch_output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["state"] == "succeeded"
+    assert summary["steps_committed"] == 12
+    assert summary["microbatches_per_step"] == [4] * 12  # every step kept all M microbatches
+    assert [f["phase"] for f in summary["failures"]] == ["backward"]
+    logs = out / "logs"
+    assert {p.name for p in logs.glob("warm-*.log")} == {"warm-n1.log", "warm-n2.log"}
+    agents = (logs / "agents.log").read_text()
+    assert "restart 1 of 1" in agents, agents[-2000:]  # the killed worker's slot came back
+    assert (out / "tls" / "ca.pem").exists() and not (out / "tls" / "ca-key.pem").exists()
