@@ -203,6 +203,10 @@ class Agent:
                 ranks = max(registered.job.ranks_per_replica, 1)
                 for index, replica in enumerate(registered.replica_ids):
                     await self._spawn(index * ranks, replica)
+                if len(registered.replica_ids) * ranks < cfg.slots:
+                    log.info("slots %d-%d wait for room in the job (it has its replicas); "
+                             "the controller assigns them replicas when it has room",
+                             len(registered.replica_ids) * ranks, cfg.slots - 1)
                 while not await self._pump(session):
                     # The leader is gone (or stood down): the workers keep going
                     # while we find the new one and rejoin it.
@@ -402,6 +406,9 @@ class Agent:
                 log.info("slot %d: %s; asking again", assigned.slot, assigned.refused)
                 self._tasks.append(asyncio.create_task(self._request_replica(
                     assigned.slot, "asking again", RETRY_REQUEST_S)))
+            elif assigned.refused and assigned.waiting:
+                # Not an error: the controller assigns the slot a replica when room opens.
+                log.info("slot %d waits: %s", assigned.slot, assigned.refused)
             elif assigned.refused:
                 log.warning("slot %d stays empty: %s", assigned.slot, assigned.refused)
             else:

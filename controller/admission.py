@@ -5,6 +5,10 @@ reason (the reason is what a refused agent prints, and what the events log
 says), tested table-style. The job wants `replicas` members plus `spares`
 hot spares (its capacity); an agent's slots, a dead worker's replacement and a
 new host's slots all get fresh replica ids while the job is below capacity.
+Slots beyond it are not refused, as a cluster delivers hosts with more slots than a
+job still needs and replacements staged ahead: they are registered and *wait*, and
+the controller gives them replicas, in order, when the job has room again
+(`waiting_slots`).
 Replicas that arrive after the start join with live state transfer
 (joins.py). During a leader takeover only the agents the previous leader knew
 may come back (takeover.py).
@@ -12,7 +16,7 @@ may come back (takeover.py).
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from recover.controller.jobstate import TERMINAL, JobState
@@ -21,13 +25,16 @@ from recover.controller.jobstate import TERMINAL, JobState
 @dataclass(frozen=True)
 class Admission:
     replica_ids: tuple[int, ...]
-    """The replica ids granted; empty when refused."""
+    """The replica ids granted; empty when refused or when every slot waits."""
     reason: str
     """Why, for the agent's error message and the events log."""
+    waiting_slots: tuple[int, ...] = ()
+    """Slots admitted without a replica (the first slot of each replica's ranks): the job
+    has no room for them yet."""
 
     @property
     def admitted(self) -> bool:
-        return bool(self.replica_ids)
+        return bool(self.replica_ids or self.waiting_slots)
 
 
 @dataclass(frozen=True)
@@ -57,8 +64,9 @@ def _closed(job_id: str, job_state: JobState, taking_over: bool) -> str | None:
 def admit_agent(agent_id: str, host: str, slots: int, *, job_id: str, job_state: JobState,
                 taking_over: bool, known_agents: Collection[str], capacity: Capacity,
                 ranks_per_replica: int = 1) -> Admission:
-    """A new agent's slots: fresh replica ids, as many as the job has room for; one per
-    `ranks_per_replica` slots (a replica's ranks live on one agent)."""
+    """A new agent's slots: fresh replica ids, as many as the job has room for, one per
+    `ranks_per_replica` slots (a replica's ranks live on one agent); the slots beyond
+    that wait for room."""
     closed = _closed(job_id, job_state, taking_over)
     if closed is not None:
         return Admission((), closed)
@@ -72,25 +80,47 @@ def admit_agent(agent_id: str, host: str, slots: int, *, job_id: str, job_state:
         return Admission((), f"{slots} slots do not hold whole replicas of {ranks} ranks "
                              "(--ranks-per-replica): give a multiple of it")
     wanted = slots // ranks
-    if wanted > capacity.room():
-        more = f"{slots} more slots ({wanted} replicas)" if ranks > 1 else f"{slots} more slots"
-        return Admission((), f"job wants {capacity.wanted} replicas and has {capacity.live}; "
-                             f"{more} do not fit")
-    ids = tuple(range(capacity.next_id, capacity.next_id + wanted))
-    joins = " (they join the running job)" if job_state is JobState.RUNNING else ""
-    return Admission(ids, f"agent {agent_id} on {host}: replicas {list(ids)}{joins}")
+    granted = min(wanted, capacity.room())
+    ids = tuple(range(capacity.next_id, capacity.next_id + granted))
+    waiting = tuple(index * ranks for index in range(granted, wanted))
+    joins = " (they join the running job)" if ids and job_state is JobState.RUNNING else ""
+    given = f"replicas {list(ids)}{joins}" if ids else "no replica"
+    wait = "" if not waiting else (
+        f"; slots {list(waiting)} wait for room (the job wants {capacity.wanted} replicas "
+        f"and has {capacity.live + granted})")
+    return Admission(ids, f"agent {agent_id} on {host}: {given}{wait}", waiting)
+
+
+@dataclass(frozen=True)
+class SlotFilled:
+    agent_id: str
+    slot: int
+    replica: int
+    reason: str
+
+
+def fill_waiting(waiting: Sequence[tuple[str, int]], capacity: Capacity, why: str
+                 ) -> list[SlotFilled]:
+    """Which waiting slots (agent, slot; agents in the order they registered) get a replica
+    now that the job has room (`why`), and which fresh id: as many as there is room for."""
+    return [SlotFilled(agent_id, slot, capacity.next_id + index,
+                       f"agent {agent_id} slot {slot}: new replica {capacity.next_id + index} "
+                       f"({why}; the job wants {capacity.wanted} and had {capacity.live})")
+            for index, (agent_id, slot) in enumerate(waiting[:capacity.room()])]
 
 
 def admit_replacement(agent_id: str, slot: int, *, agent_alive: bool, job_id: str,
                       job_state: JobState, taking_over: bool, capacity: Capacity) -> Admission:
-    """A restarted worker on `slot` of a live agent: one fresh replica id if there is room."""
+    """A restarted worker on `slot` of a live agent: one fresh replica id if there is room;
+    else the slot waits for room."""
     closed = _closed(job_id, job_state, taking_over)
     if closed is not None:
         return Admission((), closed)
     if not agent_alive:
         return Admission((), f"agent {agent_id} is not part of the job (declared lost?)")
     if capacity.room() < 1:
-        return Admission((), f"job has its {capacity.wanted} replicas")
+        return Admission((), f"job has its {capacity.wanted} replicas; slot {slot} waits for "
+                             "room", waiting_slots=(slot,))
     return Admission((capacity.next_id,), f"agent {agent_id} slot {slot}: new replica "
                                           f"{capacity.next_id}")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from recover.controller import effects, joinflow, worker_errors
+from recover.controller import effects, joinflow, membership, worker_errors
 from recover.controller.jobstate import TERMINAL, JobState
 from recover.controller.transitions import (
     fail,
@@ -24,6 +24,14 @@ from recover.proto import pb
 
 
 def lose(d: Draft, lost: list[int], why: str) -> None:
+    """Replicas lost: recover without them; then slots waiting for room get replicas."""
+    _recover_without(d, lost, why)
+    if lost:
+        membership.fill_waiting_slots(d, f"replica{'s' if len(lost) > 1 else ''} "
+                                         f"{', '.join(map(str, lost))} lost")
+
+
+def _recover_without(d: Draft, lost: list[int], why: str) -> None:
     for replica in lost:
         lose_replica(d, replica)
     v = d.v

@@ -15,6 +15,7 @@ from recover.controller.admission import (
     Capacity,
     admit_agent,
     admit_replacement,
+    fill_waiting,
     start_decision,
 )
 from recover.controller.jobstate import TERMINAL, JobState, RegistrationRefused
@@ -42,7 +43,8 @@ def register_agent(d: Draft, agent_id: str, host: str, slots: int,
     if not admission.admitted:
         raise RegistrationRefused(admission.reason)
     ids = list(admission.replica_ids)
-    d.put_agent(Agent(agent_id, host, tuple(ids), subject=subject))
+    d.put_agent(Agent(agent_id, host, tuple(ids), subject=subject,
+                      waiting=admission.waiting_slots))
     ranks = max(v.job.ranks_per_replica, 1)
     for index, replica in enumerate(ids):  # a replica's ranks on consecutive slots
         d.put_replica(Replica(replica, agent_id, slot=index * ranks))
@@ -61,9 +63,13 @@ def replica_request(d: Draft, agent_id: str, request: pb.ReplicaRequest) -> None
         agent_id, request.slot, agent_alive=agent is not None and agent.alive,
         job_id=v.job.job_id, job_state=v.state,
         taking_over=v.takeover is not None, capacity=capacity(d))
-    if agent is None or not admission.admitted:
+    if agent is not None and admission.waiting_slots:
+        d.change_agent(agent_id, waiting=(*agent.waiting, *admission.waiting_slots))
+        agent_record(d, agent_id)
+    if agent is None or not admission.replica_ids:
         d.send(agent_id, pb.ControllerMessage(replica_assigned=pb.ReplicaAssigned(
-            slot=request.slot, refused=admission.reason, retryable=v.takeover is not None)))
+            slot=request.slot, refused=admission.reason, retryable=v.takeover is not None,
+            waiting=bool(admission.waiting_slots))))
         return
     replica = admission.replica_ids[0]
     d.change_agent(agent_id, replicas=(*agent.replicas, replica))
@@ -72,6 +78,25 @@ def replica_request(d: Draft, agent_id: str, request: pb.ReplicaRequest) -> None
     d.emit("replica-restarted", f"{admission.reason} ({request.reason})", replica=replica)
     d.send(agent_id, pb.ControllerMessage(replica_assigned=pb.ReplicaAssigned(
         slot=request.slot, replica=replica)))
+
+
+def fill_waiting_slots(d: Draft, why: str) -> None:
+    """The job has room again (`why`: a replica lost, an agent drained, more spares): give
+    waiting slots their replicas; each joins like a restarted worker."""
+    v = d.v
+    if v.state in TERMINAL or v.takeover is not None:
+        return
+    waiting = [(a.agent_id, slot) for a in v.agents.values() if a.alive
+               and a.agent_id not in v.draining for slot in a.waiting]
+    for filled in fill_waiting(waiting, capacity(d), why):
+        agent = d.v.agents[filled.agent_id]
+        d.change_agent(filled.agent_id, replicas=(*agent.replicas, filled.replica),
+                       waiting=tuple(s for s in agent.waiting if s != filled.slot))
+        d.put_replica(Replica(filled.replica, filled.agent_id, slot=filled.slot))
+        agent_record(d, filled.agent_id)
+        d.emit("slot-filled", filled.reason, replica=filled.replica)
+        d.send(filled.agent_id, pb.ControllerMessage(replica_assigned=pb.ReplicaAssigned(
+            slot=filled.slot, replica=filled.replica)))
 
 
 def maybe_start(d: Draft, grace_s: float) -> None:

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
-from recover.controller import effects
+from recover.controller import effects, membership
 from recover.controller.jobstate import TERMINAL, JobState
 from recover.controller.transitions import retire, stop_now
 from recover.controller.view import Draft, ReplicaState
@@ -115,6 +115,7 @@ def set_spares(d: Draft, spares: int, by: str) -> Decision:
     for replica in extra:
         retire(d, replica, f"spares reduced to {spares} by {by}")
     d.emit("spares-changed", f"by {by}: {decision.reason}", step=d.v.step)
+    membership.fill_waiting_slots(d, f"spares set to {spares}")
     return decision
 
 
@@ -135,4 +136,8 @@ def finish_drains(d: Draft) -> None:
         d.send(agent_id, pb.ControllerMessage(shutdown=pb.Shutdown(
             reason="drained by an operator", success=True, state="drained")))
         d.emit("drained", f"agent {agent_id} left the job", step=d.v.step, level=logging.INFO)
+    drained = sorted(d.v.draining)
     d.set(draining=frozenset())
+    if drained:
+        membership.fill_waiting_slots(d, f"agent{'s' if len(drained) > 1 else ''} "
+                                         f"{', '.join(drained)} drained")

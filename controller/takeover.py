@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 
-from recover.controller import joinflow, policy
+from recover.controller import joinflow, membership, policy
 from recover.controller.jobstate import JobState, RegistrationRefused
 from recover.controller.records import PersistedJob
 from recover.controller.transitions import (
@@ -80,7 +80,7 @@ def restore(d: Draft, persisted: PersistedJob, steps: list[pb.StepRecord],
     for record in persisted.agents:
         ids = tuple(record.replica_ids)
         d.put_agent(Agent(record.agent_id, record.host, ids, alive=False,
-                          subject=record.subject))
+                          subject=record.subject, waiting=tuple(record.waiting_slots)))
         for r in ids:
             joining = view is not None and r not in members and r in record.join_addresses
             if joining:
@@ -205,3 +205,5 @@ def finish(d: Draft) -> None:
     for r, address in sorted(wait.joiners.items()):
         if d.v.replicas[r].alive:
             joinflow.add(d, r, address)  # anew: this leader knows nothing of the old attempt
+    if lost:
+        membership.fill_waiting_slots(d, "replicas lost in the leader change")

@@ -48,7 +48,8 @@ def agent_record(d: Draft, agent_id: str) -> None:
     resume their joins) before the agent acts on it."""
     agent = d.v.agents[agent_id]
     record = pb.AgentRecord(agent_id=agent.agent_id, host=agent.host,
-                            replica_ids=agent.replicas, subject=agent.subject)
+                            replica_ids=agent.replicas, subject=agent.subject,
+                            waiting_slots=agent.waiting)
     for r in agent.replicas:
         info = d.v.replicas.get(r)
         if info is not None and info.alive and info.transfer_address:

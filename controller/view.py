@@ -98,6 +98,8 @@ class Agent:
     subject: str = ""
     """The identity that registered it (certificate or token; empty in plaintext): only it
     may rejoin as this agent."""
+    waiting: tuple[int, ...] = ()
+    """Its slots without a replica, waiting for room in the job (admission.py)."""
 
 
 @dataclass(frozen=True)

@@ -569,16 +569,18 @@ class AgentMessage(_message.Message):
     def __init__(self, register: _Optional[_Union[RegisterAgent, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., worker_exited: _Optional[_Union[WorkerExited, _Mapping]] = ..., report: _Optional[_Union[WorkerReport, _Mapping]] = ..., replica_request: _Optional[_Union[ReplicaRequest, _Mapping]] = ...) -> None: ...
 
 class ReplicaAssigned(_message.Message):
-    __slots__ = ("slot", "replica", "refused", "retryable")
+    __slots__ = ("slot", "replica", "refused", "retryable", "waiting")
     SLOT_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     RETRYABLE_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
     slot: int
     replica: int
     refused: str
     retryable: bool
-    def __init__(self, slot: _Optional[int] = ..., replica: _Optional[int] = ..., refused: _Optional[str] = ..., retryable: _Optional[bool] = ...) -> None: ...
+    waiting: bool
+    def __init__(self, slot: _Optional[int] = ..., replica: _Optional[int] = ..., refused: _Optional[str] = ..., retryable: _Optional[bool] = ..., waiting: _Optional[bool] = ...) -> None: ...
 
 class Registered(_message.Message):
     __slots__ = ("replica_ids", "job")
@@ -653,7 +655,7 @@ class LeaderRecord(_message.Message):
     def __init__(self, term: _Optional[int] = ..., address: _Optional[str] = ..., controller_id: _Optional[str] = ..., elected_at: _Optional[float] = ...) -> None: ...
 
 class AgentRecord(_message.Message):
-    __slots__ = ("agent_id", "host", "replica_ids", "join_addresses", "subject")
+    __slots__ = ("agent_id", "host", "replica_ids", "join_addresses", "subject", "waiting_slots")
     class JoinAddressesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -666,12 +668,14 @@ class AgentRecord(_message.Message):
     REPLICA_IDS_FIELD_NUMBER: _ClassVar[int]
     JOIN_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     SUBJECT_FIELD_NUMBER: _ClassVar[int]
+    WAITING_SLOTS_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     host: str
     replica_ids: _containers.RepeatedScalarFieldContainer[int]
     join_addresses: _containers.ScalarMap[int, str]
     subject: str
-    def __init__(self, agent_id: _Optional[str] = ..., host: _Optional[str] = ..., replica_ids: _Optional[_Iterable[int]] = ..., join_addresses: _Optional[_Mapping[int, str]] = ..., subject: _Optional[str] = ...) -> None: ...
+    waiting_slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, agent_id: _Optional[str] = ..., host: _Optional[str] = ..., replica_ids: _Optional[_Iterable[int]] = ..., join_addresses: _Optional[_Mapping[int, str]] = ..., subject: _Optional[str] = ..., waiting_slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

@@ -5,6 +5,9 @@ daemons with their own ports on loopback, one slurmctld, munge for authenticatio
 brought up in a temporary folder; the batch script is submitted with `sbatch --wait`, a
 worker is killed in the middle of a step, and the job must train to the end with every
 agent named after its node, mutual TLS from the job's shared folder, and summary.json.
+The nodes bring 4 slots to a job of 3 replicas, as clusters deliver capacity: the fourth
+slot waits, registered, and takes the killed worker's place the moment it is lost (the
+killed worker's own restart then finds the job full and waits in turn).
 """
 
 from __future__ import annotations
@@ -125,10 +128,10 @@ def test_the_batch_script_trains_through_a_killed_worker(slurm: dict[str, str],
     out = tmp_path / "out"
     env = dict(slurm, RECOVER_BIN=f"{sys.executable} -m recover.cli.main",
                RECOVER_HOST="127.0.0.1", RECOVER_OUT=str(out), RECOVER_TLS="1",
-               RECOVER_AGENT_FLAGS="--max-restarts 1")
+               RECOVER_SLOTS="2", RECOVER_AGENT_FLAGS="--max-restarts 1")
     result = subprocess.run(
         ["sbatch", "--wait", "--nodes", "2", str(REPO / "deploy" / "slurm" / "recover.sbatch"),
-         "--replicas", "2", "--steps", "12", "-M", "4", "-B", "2", "--compute-ms", "20",
+         "--replicas", "3", "--steps", "12", "-M", "6", "-B", "2", "--compute-ms", "20",
          "--kill", "step=4,replica=1,phase=backward"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     batch_output = "\n".join(p.read_text() for p in tmp_path.glob("recover-*.out"))
@@ -137,10 +140,14 @@ def test_the_batch_script_trains_through_a_killed_worker(slurm: dict[str, str],
     summary = json.loads((out / "summary.json").read_text())
     assert summary["state"] == "succeeded"
     assert summary["steps_committed"] == 12
-    assert summary["microbatches_per_step"] == [4] * 12  # every step kept all M microbatches
+    assert summary["microbatches_per_step"] == [6] * 12  # every step kept all M microbatches
     assert [f["phase"] for f in summary["failures"]] == ["backward"]
+    assert len(summary["live_replicas"]) == 3  # the waiting slot's replica joined
     logs = out / "logs"
     assert {p.name for p in logs.glob("warm-*.log")} == {"warm-n1.log", "warm-n2.log"}
     agents = (logs / "agents.log").read_text()
-    assert "restart 1 of 1" in agents, agents[-2000:]  # the killed worker's slot came back
+    assert "restart 1 of 1" in agents, agents[-2000:]  # the killed worker's slot asked again
+    assert "wait for room in the job" in agents and "waits: job has its 3 replicas" in agents
+    controller = (logs / "controller.log").read_text()
+    assert controller.count("slot-filled") == 1, controller[-3000:]
     assert (out / "tls" / "ca.pem").exists() and not (out / "tls" / "ca-key.pem").exists()

@@ -8,6 +8,7 @@ from recover.controller.admission import (
     Capacity,
     admit_agent,
     admit_replacement,
+    fill_waiting,
     start_decision,
 )
 from recover.controller.jobstate import JobState
@@ -15,55 +16,57 @@ from recover.controller.jobstate import JobState
 BASE = dict(job_id="j", job_state=JobState.WAITING, taking_over=False, known_agents=(),
             capacity=Capacity(wanted=4, live=0, next_id=0))
 
-ROWS = [
-    pytest.param("a", 2, {}, (0, 1), "agent a on h: replicas [0, 1]", id="first-agent"),
-    pytest.param("b", 2, {"known_agents": ("a",), "capacity": Capacity(4, 2, 2)}, (2, 3),
+ROWS = [  # agent, slots, overrides, granted ids, waiting slots, reason
+    pytest.param("a", 2, {}, (0, 1), (), "agent a on h: replicas [0, 1]", id="first-agent"),
+    pytest.param("b", 2, {"known_agents": ("a",), "capacity": Capacity(4, 2, 2)}, (2, 3), (),
                  "agent b on h: replicas [2, 3]", id="ids-continue-after-earlier-agents"),
-    pytest.param("b", 1, {"capacity": Capacity(4, 3, 3)}, (3,), "replicas [3]", id="exactly-fills"),
-    pytest.param("b", 2, {"capacity": Capacity(4, 3, 3)}, (),
-                 "job wants 4 replicas and has 3; 2 more slots do not fit", id="too-many-slots"),
-    pytest.param("b", 1, {"capacity": Capacity(4, 4, 4)}, (),
-                 "job wants 4 replicas and has 4; 1 more slots do not fit", id="job-full"),
+    pytest.param("b", 1, {"capacity": Capacity(4, 3, 3)}, (3,), (), "replicas [3]",
+                 id="exactly-fills"),
+    pytest.param("b", 2, {"capacity": Capacity(4, 3, 3)}, (3,), (1,),
+                 "agent b on h: replicas [3]; slots [1] wait for room (the job wants 4 "
+                 "replicas and has 4)", id="more-slots-than-room-the-rest-wait"),
+    pytest.param("b", 1, {"capacity": Capacity(4, 4, 4)}, (), (0,),
+                 "agent b on h: no replica; slots [0] wait for room", id="job-full-all-wait"),
     pytest.param("c", 2, {"job_state": JobState.RUNNING, "capacity": Capacity(4, 2, 6)}, (6, 7),
-                 "agent c on h: replicas [6, 7] (they join the running job)",
+                 (), "agent c on h: replicas [6, 7] (they join the running job)",
                  id="replacement-host-gets-fresh-ids"),
-    pytest.param("c", 1, {"capacity": Capacity(6, 4, 4)}, (4,), "replicas [4]",
+    pytest.param("c", 1, {"capacity": Capacity(6, 4, 4)}, (4,), (), "replicas [4]",
                  id="room-for-spares"),
-    pytest.param("a", 0, {}, (), "an agent needs at least one slot, got 0", id="zero-slots"),
-    pytest.param("a", 1, {"known_agents": ("a",)}, (), "agent id 'a' is already registered",
+    pytest.param("a", 0, {}, (), (), "an agent needs at least one slot, got 0", id="zero-slots"),
+    pytest.param("a", 1, {"known_agents": ("a",)}, (), (), "agent id 'a' is already registered",
                  id="duplicate-id"),
-    pytest.param("a", 1, {"job_state": JobState.FAILED}, (), "job j is failed", id="ended"),
-    pytest.param("a", 1, {"taking_over": True, "job_state": JobState.RUNNING}, (),
+    pytest.param("a", 1, {"job_state": JobState.FAILED}, (), (), "job j is failed", id="ended"),
+    pytest.param("a", 1, {"taking_over": True, "job_state": JobState.RUNNING}, (), (),
                  "job j is taking over after a leader change", id="takeover-wins-over-state"),
     # Replicas of several ranks: an agent's slots hold whole replicas, one id per replica.
-    pytest.param("a", 4, {"ranks_per_replica": 2}, (0, 1), "agent a on h: replicas [0, 1]",
+    pytest.param("a", 4, {"ranks_per_replica": 2}, (0, 1), (), "agent a on h: replicas [0, 1]",
                  id="sharded-one-id-per-replica"),
-    pytest.param("a", 3, {"ranks_per_replica": 2}, (),
+    pytest.param("a", 3, {"ranks_per_replica": 2}, (), (),
                  "3 slots do not hold whole replicas of 2 ranks", id="sharded-odd-slots"),
-    pytest.param("a", 1, {"ranks_per_replica": 2}, (),
+    pytest.param("a", 1, {"ranks_per_replica": 2}, (), (),
                  "an agent needs at least 2 slots (a replica's ranks), got 1",
                  id="sharded-fewer-slots-than-ranks"),
-    pytest.param("b", 4, {"ranks_per_replica": 2, "capacity": Capacity(4, 3, 3)}, (),
-                 "job wants 4 replicas and has 3; 4 more slots (2 replicas) do not fit",
-                 id="sharded-too-many"),
+    pytest.param("b", 4, {"ranks_per_replica": 2, "capacity": Capacity(4, 3, 3)}, (3,), (2,),
+                 "replicas [3]; slots [2] wait for room", id="sharded-the-second-replica-waits"),
     pytest.param("c", 2, {"ranks_per_replica": 2, "job_state": JobState.RUNNING,
-                          "capacity": Capacity(4, 2, 6)}, (6,),
+                          "capacity": Capacity(4, 2, 6)}, (6,), (),
                  "agent c on h: replicas [6] (they join the running job)",
                  id="sharded-replacement-host"),
 ]
 
 
-@pytest.mark.parametrize(("agent_id", "slots", "overrides", "ids", "reason"), ROWS)
-def test_admit_agent(agent_id, slots, overrides, ids, reason):
+@pytest.mark.parametrize(("agent_id", "slots", "overrides", "ids", "waiting", "reason"), ROWS)
+def test_admit_agent(agent_id, slots, overrides, ids, waiting, reason):
     admission = admit_agent(agent_id, "h", slots, **{**BASE, **overrides})
-    assert admission.replica_ids == ids
-    assert admission.admitted is bool(ids)
+    assert (admission.replica_ids, admission.waiting_slots) == (ids, waiting)
+    assert admission.admitted is bool(ids or waiting)  # else refused: the agent is told why
     assert reason in admission.reason, admission.reason
 
 
 REPLACEMENT_ROWS = [
     pytest.param({}, (5,), "agent a slot 1: new replica 5", id="room"),
-    pytest.param({"capacity": Capacity(4, 4, 5)}, (), "job has its 4 replicas", id="full"),
+    pytest.param({"capacity": Capacity(4, 4, 5)}, (), "job has its 4 replicas; slot 1 waits "
+                 "for room", id="full-the-slot-waits"),
     pytest.param({"agent_alive": False}, (), "not part of the job", id="agent-lost"),
     pytest.param({"job_state": JobState.SUCCEEDED}, (), "job j is succeeded", id="over"),
     pytest.param({"taking_over": True}, (), "taking over", id="takeover"),
@@ -77,7 +80,27 @@ def test_admit_replacement(overrides, ids, reason):
                 capacity=Capacity(4, 3, 5))
     admission = admit_replacement("a", 1, **{**args, **overrides})
     assert admission.replica_ids == ids
+    assert admission.waiting_slots == ((1,) if "waits" in reason else ())
     assert reason in admission.reason, admission.reason
+
+
+FILL_ROWS = [
+    pytest.param(Capacity(4, 3, 9), [("a", 1), ("b", 0)], [("a", 1, 9)],
+                 "agent a slot 1: new replica 9 (replica 2 lost; the job wants 4 and had 3)",
+                 id="one-room-first-waiting-slot"),
+    pytest.param(Capacity(4, 2, 9), [("a", 1), ("b", 0), ("b", 1)], [("a", 1, 9), ("b", 0, 10)],
+                 "agent b slot 0: new replica 10", id="two-rooms-in-order"),
+    pytest.param(Capacity(4, 4, 9), [("a", 1)], [], "", id="no-room"),
+    pytest.param(Capacity(4, 1, 9), [("a", 1)], [("a", 1, 9)], "new replica 9",
+                 id="fewer-waiting-than-room"),
+]
+
+
+@pytest.mark.parametrize(("capacity", "waiting", "filled", "reason"), FILL_ROWS)
+def test_fill_waiting(capacity, waiting, filled, reason):
+    decisions = fill_waiting(waiting, capacity, "replica 2 lost")
+    assert [(f.agent_id, f.slot, f.replica) for f in decisions] == filled
+    assert not decisions or reason in decisions[-1].reason, decisions[-1].reason
 
 
 START_ROWS = [

@@ -41,10 +41,6 @@ async def test_registration_assigns_replica_ids_in_order():
 
 
 @pytest.mark.parametrize(("first", "attempt", "message"), [
-    pytest.param([("a", 2)], ("b", 2), "job wants 3 replicas and has 2; 2 more slots do not fit",
-                 id="more-slots-than-free"),
-    pytest.param([("a", 3)], ("b", 1), "job wants 3 replicas and has 3; 1 more slots do not fit",
-                 id="job-already-full"),
     pytest.param([("a", 1)], ("a", 1), "agent id 'a' is already registered",
                  id="duplicate-agent-id"),
     pytest.param([], ("a", 0), "an agent needs at least one slot, got 0", id="zero-slots"),
@@ -64,12 +60,49 @@ def test_registration_refused(first, attempt, message):
 
 
 @scenario
-async def test_registration_after_start_is_refused_while_the_job_is_full():
+async def test_slots_beyond_the_job_wait_and_are_filled_when_room_opens():
+    # A host with more slots than the job still needs, and a replacement staged ahead:
+    # registered, not refused; their slots get replicas, in order, as room opens.
+    h = Harness(make_job(replicas=3))
+    assert await h.coord.register_agent("a", "h", 2) == [0, 1]
+    assert await h.coord.register_agent("b", "h", 2) == [2]  # its slot 1 waits
+    await h.start([])
+    assert await h.coord.register_agent("staged", "h", 1) == []  # the job has its 3
+    assert h.coord.agents["b"].waiting == (1,) and h.coord.agents["staged"].waiting == (0,)
+    registered = dict(h.messages("registered"))
+    assert list(registered["staged"].replica_ids) == []
+
+    await h.coord.worker_exited(pb.WorkerExited(replica=0, exit_code=1))
+    # The first waiting slot (b's, the earlier agent) gets the room at once, with a fresh id.
+    assert [(a, m.slot, m.replica) for a, m in h.messages("replica_assigned")] == [("b", 1, 3)]
+    assert h.coord.replicas[3].agent_id == "b" and h.coord.agents["b"].waiting == ()
+    filled = h.events("slot-filled")
+    assert filled[-1].message.startswith("agent b slot 1: new replica 3 (replica 0 lost")
+    # a's own restart of the dead worker finds the job full: its slot waits in turn.
+    await h.coord.replica_request("a", pb.ReplicaRequest(slot=0, reason="restart"))
+    answer = h.messages("replica_assigned")[-1][1]
+    assert answer.refused and answer.waiting and not answer.retryable
+    assert h.coord.agents["a"].waiting == (0,)
+    # A new leader would know the waiting slots: they are in the agents' records.
+    stored = pb.AgentRecord.FromString(await h.store.get(f"/recover/{JOB_ID}/agents/a"))
+    assert list(stored.waiting_slots) == [0]
+
+    await h.coord.worker_exited(pb.WorkerExited(replica=2, exit_code=1))
+    # Agents in the order they registered: a's slot before the staged host's.
+    assert [(a, m.slot, m.replica) for a, m in h.messages("replica_assigned")][-1] == \
+        ("a", 0, 4)
+    assert h.coord.agents["staged"].waiting == (0,)  # still waiting: no more room
+
+
+@scenario
+async def test_more_spares_fill_waiting_slots():
     h = Harness(make_job(replicas=2))
-    await h.start()
-    with pytest.raises(RegistrationRefused, match="job wants 2 replicas and has 2"):
-        await h.coord.register_agent("late", "h", 1)
-    assert "late" not in h.coord.agents
+    await h.coord.register_agent("a", "h", 3)
+    await h.start([])
+    assert h.coord.agents["a"].waiting == (2,)
+    decision = await h.coord.set_spares(1, "alice")
+    assert decision.accepted
+    assert [(a, m.slot, m.replica) for a, m in h.messages("replica_assigned")] == [("a", 2, 2)]
 
 
 # ---------------------------------------------------------------- start
