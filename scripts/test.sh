@@ -11,8 +11,8 @@ fi
 bash scripts/setup.sh
 # Tests with real etcd need the etcd server (Debian package etcd-server); the
 # network-partition test needs `ip` (iproute2) and root; the deploy recipes' tests need
-# Prometheus and promtool (prometheus), systemd-analyze (systemd) and a Slurm of their own
-# (slurm-wlm, munge).
+# Prometheus and promtool (prometheus), systemd-analyze (systemd), a Slurm of their own
+# (slurm-wlm, munge) and the compose file's validator (docker-compose; no daemon).
 missing=()
 command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
 command -v ip >/dev/null 2>&1 || missing+=(iproute2)
@@ -20,6 +20,7 @@ command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
 command -v slurmctld >/dev/null 2>&1 || missing+=(slurm-wlm)
 command -v munged >/dev/null 2>&1 || missing+=(munge)
+command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
 if [ "${#missing[@]}" -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "test: installing ${missing[*]} (log: .venv/apt.log)" >&2
