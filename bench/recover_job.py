@@ -56,7 +56,7 @@ def run_recover(out: Path, job_args: list[str], schedule: Schedule | None = None
     log = open(out / "launcher.log", "wb")  # noqa: SIM115 (closed below)
     # job_args (flags, or client.launch.hand_over's) may end with `-- COMMAND`: every
     # other flag goes before them.
-    proc = subprocess.Popen([sys.executable, "-m", "recover.cli.main", "run", "--quiet",
+    proc = subprocess.Popen([sys.executable, "-m", "recover.cli.main", "run", "--quiet", "--no-plot",
                              "--out", str(out), *job_args], stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True)
     pending = list(schedule.events) if schedule else []

@@ -278,6 +278,8 @@ def run_local(args: argparse.Namespace) -> int:
         progress.done()
         print(format_summary(summary))
         print(f"summary: {out / 'summary.json'}")
+        if not args.no_plot and summary["steps_committed"]:
+            _draw_plot(out)
         if summary["state"] == "stopped":
             print(f"recover run: {summary['reason']}", file=sys.stderr)
             return EXIT_STOPPED
@@ -316,6 +318,17 @@ def _metrics_endpoints(job: LocalJob, metrics: MetricsPorts, agents: int, tls: b
     print(f"recover run: metrics {', '.join(f'{n} {u}' for n, u in endpoints.items())} "
           f"(Prometheus targets: {targets})", file=sys.stderr)
     return endpoints
+
+
+def _draw_plot(out: Path) -> None:
+    """OUT/plot.png: the run against wall time. A missing plotting library or an unwritable
+    folder costs the picture, never the run's result."""
+    from recover.cli.plot import plot
+
+    try:
+        print(f"plot: {plot([str(out)], str(out / 'plot.png'), x='time')}")
+    except UsageError as exc:
+        print(f"recover run: no plot.png: {exc}", file=sys.stderr)
 
 
 def _print_user_traceback(summary: dict[str, object]) -> None:

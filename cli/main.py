@@ -84,6 +84,8 @@ def build_parser() -> Parser:
                      help="agents (emulated hosts) to spread the replicas over (default: 2)")
     run.add_argument("--out", default="runs/latest", help="where summary.json and logs go")
     run.add_argument("--quiet", action="store_true", help="no live progress display")
+    run.add_argument("--no-plot", action="store_true",
+                     help="do not draw OUT/plot.png (the run against wall time) at the end")
     run.add_argument("--attach", type=int, default=None, metavar="PID",
                      help=argparse.SUPPRESS)  # the single-process mode (trainer/standalone.py)
     run.add_argument("--store", default="memory://",
@@ -213,6 +215,10 @@ def build_parser() -> Parser:
     plot = sub.add_parser("plot", help="plot loss per step of runs (the first is the reference)")
     plot.add_argument("runs", nargs="+", help="run directories or summary.json files")
     plot.add_argument("--out", required=True, help="PNG file to write")
+    plot.add_argument("--x", choices=["step", "time"], default="step",
+                      help="the horizontal axis: step (loss difference from the first run) or "
+                           "wall time (steps, live replicas, tokens/s; recoveries, joins and "
+                           "a ckpt-restart run's restarts shaded)")
     plot.add_argument("--label", action="append", default=None,
                       help="legend label per run, in order (repeatable)")
     bench.add_bench_parser(sub)
@@ -354,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plot":
             from recover.cli import plot
 
-            print(f"wrote {plot.plot(args.runs, args.out, args.label)}")
+            print(f"wrote {plot.plot(args.runs, args.out, args.label, args.x)}")
             return 0
         if args.command == "certs":
             return certs.run(args)

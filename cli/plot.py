@@ -1,14 +1,20 @@
-"""`recover plot RUN [RUN ...] --out FILE.png`: loss per step, failures marked.
+"""`recover plot RUN [RUN ...] --out FILE.png [--x step|time]`: what a run went through.
 
-The first run is the reference. A second panel shows each run's absolute
-loss difference from it: a run that keeps the invariant (exact reduction)
-stays at zero, a shrinking-batch run drifts away after its first failure. A
-third shows the replicas that committed each step: capacity lost at a
-failure, back when a restarted or spare replica joined.
+By step (the default): loss per step, failures marked; each run's absolute loss
+difference from the first (the reference: a run that keeps the invariant stays at
+zero, a shrinking-batch run drifts away after its first failure); the replicas that
+committed each step (capacity lost at a failure, back when a replica joined).
+
+By wall time (`--x time`, cli/timeline.py): loss, steps committed, live replicas and
+tokens/s against seconds since the start, with each recovery's stall and each join
+shaded; a checkpoint-and-restart run of `recover run --mode ckpt-restart` overlays with
+its restarts shaded and its re-done steps visible. `recover run` draws this figure of
+its own run as OUT/plot.png.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -21,21 +27,55 @@ FLOOR = 1e-12
 
 def label_of(summary: dict[str, Any], path: str) -> str:
     failures = len(summary["failures"])
+    if summary.get("mode") == "ckpt-restart":
+        return f"{Path(path).name}: checkpoint-and-restart, {failures} failures"
     policy = summary.get("policy", "recover")
     plural = "s" if failures != 1 else ""
     kind = "failure-free" if not failures else f"{failures} failure{plural}, policy {policy}"
     return f"{Path(path).name}: {kind}, reduce {summary['reduce']}"
 
 
-def plot(runs: list[str], out: str, labels: list[str] | None = None) -> Path:
-    """Draw `runs` (the first is the reference) to the PNG `out`."""
+AXES = ("step", "time")
+
+
+def load_run(path: str) -> dict[str, Any]:
+    """A run's summary: ReCoVer's (checked like `recover verify` does) or a
+    checkpoint-and-restart baseline's (`recover run --mode ckpt-restart`)."""
+    candidate = Path(path)
+    if candidate.is_dir():
+        candidate = candidate / "summary.json"
+    try:
+        summary = json.loads(candidate.read_text())
+    except (OSError, ValueError):
+        summary = None  # load_summary says why, in one line
+    if isinstance(summary, dict) and summary.get("mode") == "ckpt-restart":
+        if not isinstance(summary.get("commit_timeline"), list):
+            raise UsageError(f"recover plot: {candidate} is a ckpt-restart summary without "
+                             "its commit_timeline")
+        return summary
+    return load_summary(path, "plot")
+
+
+def plot(runs: list[str], out: str, labels: list[str] | None = None, x: str = "step") -> Path:
+    """Draw `runs` (the first is the reference) to the PNG `out`, by step or wall time."""
     if not runs:
         raise UsageError("recover plot: name at least one run")
     if labels and len(labels) != len(runs):
         raise UsageError(f"recover plot: {len(labels)} labels for {len(runs)} runs")
-    summaries = [load_summary(run, "plot") for run in runs]
+    if x not in AXES:
+        raise UsageError(f"recover plot: --x {x!r}: choose step or time")
+    summaries = [load_run(run) for run in runs]
+    if x == "step" and any(s.get("mode") == "ckpt-restart" for s in summaries):
+        raise UsageError("recover plot: a ckpt-restart run has no per-step ledger to compare "
+                         "by step: plot it with --x time")
     plt = _pyplot()
-    fig = draw(plt, summaries, runs, labels)
+    if x == "time":
+        from recover.cli.timeline import draw_timeline
+
+        fig = draw_timeline(plt, summaries, runs,
+                            labels or [label_of(s, r) for s, r in zip(summaries, runs, strict=True)])
+    else:
+        fig = draw(plt, summaries, runs, labels)
     target = Path(out)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)

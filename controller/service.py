@@ -329,13 +329,28 @@ class ControlService(rpc.ControlServicer):
         return pb.OperatorReply(accepted=decision.accepted, reason=decision.reason)
 
 
+def join_intervals(events: list[pb.Event]) -> list[pb.JoinInterval]:
+    """Each replica's way in, from the event log: its first join attempt to its entry."""
+    started: dict[int, float] = {}
+    intervals = []
+    for event in events:
+        if event.kind == "join-started":
+            started.setdefault(event.replica, event.at)
+        elif event.kind in ("replica-joined", "spare-promoted") and event.replica in started:
+            intervals.append(pb.JoinInterval(replica=event.replica,
+                                             started_at=started.pop(event.replica),
+                                             entered_at=event.at,
+                                             spare=event.kind == "spare-promoted"))
+    return intervals
+
+
 def run_report(c: Coordinator) -> pb.RunReport:
     """Everything the leader knows of the run, for `recover run`, `recover summary` and
     the controller's own summary.json."""
     return pb.RunReport(
         job=c.job, status=job_status(c), steps=c.steps, failures=c.failures,
         started_at=c.started_at, finished_at=c.finished_at, workload=c.workload,
-        last_checkpoint=c.last_checkpoint,
+        last_checkpoint=c.last_checkpoint, joins=join_intervals(c.events.since(0)),
         recovery_timings=[pb.RecoveryTiming(**{f"{phase}_s": seconds for phase, seconds
                                                in timing.items()})
                           for timing in c.recovery.timings])

@@ -122,6 +122,13 @@ def build_summary(report: pb.RunReport, wall_s: float) -> dict[str, Any]:
         "train_s": round(report.finished_at - report.started_at, 3)
         if report.finished_at and report.started_at else None,
         "tokens": sum(record.tokens for record in steps),
+        "tokens_per_step": [record.tokens for record in steps],
+        # Each replica that joined the running job: seconds from the start to its join's
+        # start (state transfer) and to its entry as a member.
+        "joins": [{"replica": j.replica, "spare": j.spare,
+                   "started_at_s": round(j.started_at - report.started_at, 4),
+                   "entered_at_s": round(j.entered_at - report.started_at, 4)}
+                  for j in report.joins] if report.started_at else [],
         "compute_ms": report.job.testing.compute_ms,
         "started_at": report.started_at,
         # Seconds from the job's start to each step's commit (cumulative-tokens plots).

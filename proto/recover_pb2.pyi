@@ -844,7 +844,7 @@ class ReportRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RunReport(_message.Message):
-    __slots__ = ("job", "status", "steps", "failures", "started_at", "finished_at", "recovery_timings", "workload", "last_checkpoint")
+    __slots__ = ("job", "status", "steps", "failures", "started_at", "finished_at", "recovery_timings", "workload", "last_checkpoint", "joins")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -854,6 +854,7 @@ class RunReport(_message.Message):
     RECOVERY_TIMINGS_FIELD_NUMBER: _ClassVar[int]
     WORKLOAD_FIELD_NUMBER: _ClassVar[int]
     LAST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    JOINS_FIELD_NUMBER: _ClassVar[int]
     job: JobConfig
     status: JobStatus
     steps: _containers.RepeatedCompositeFieldContainer[StepRecord]
@@ -863,7 +864,20 @@ class RunReport(_message.Message):
     recovery_timings: _containers.RepeatedCompositeFieldContainer[RecoveryTiming]
     workload: WorkloadInfo
     last_checkpoint: CheckpointWritten
-    def __init__(self, job: _Optional[_Union[JobConfig, _Mapping]] = ..., status: _Optional[_Union[JobStatus, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepRecord, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[FailureRecord, _Mapping]]] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., recovery_timings: _Optional[_Iterable[_Union[RecoveryTiming, _Mapping]]] = ..., workload: _Optional[_Union[WorkloadInfo, _Mapping]] = ..., last_checkpoint: _Optional[_Union[CheckpointWritten, _Mapping]] = ...) -> None: ...
+    joins: _containers.RepeatedCompositeFieldContainer[JoinInterval]
+    def __init__(self, job: _Optional[_Union[JobConfig, _Mapping]] = ..., status: _Optional[_Union[JobStatus, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepRecord, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[FailureRecord, _Mapping]]] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., recovery_timings: _Optional[_Iterable[_Union[RecoveryTiming, _Mapping]]] = ..., workload: _Optional[_Union[WorkloadInfo, _Mapping]] = ..., last_checkpoint: _Optional[_Union[CheckpointWritten, _Mapping]] = ..., joins: _Optional[_Iterable[_Union[JoinInterval, _Mapping]]] = ...) -> None: ...
+
+class JoinInterval(_message.Message):
+    __slots__ = ("replica", "started_at", "entered_at", "spare")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    ENTERED_AT_FIELD_NUMBER: _ClassVar[int]
+    SPARE_FIELD_NUMBER: _ClassVar[int]
+    replica: int
+    started_at: float
+    entered_at: float
+    spare: bool
+    def __init__(self, replica: _Optional[int] = ..., started_at: _Optional[float] = ..., entered_at: _Optional[float] = ..., spare: _Optional[bool] = ...) -> None: ...
 
 class StopRequest(_message.Message):
     __slots__ = ("reason",)

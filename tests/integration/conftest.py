@@ -34,14 +34,19 @@ class RunResult:
         return json.loads((self.out / "summary.json").read_text())
 
 
-def recover_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "recover.cli.main", *args]
+def recover_cmd(*args: str, plot: bool = False) -> list[str]:
+    """`recover ARGS`; a `recover run` without its closing plot.png unless `plot` (drawing
+    it costs about a second of CPU per run: minutes over the suite, for a picture nobody
+    looks at; the tests that check it ask for it)."""
+    extra = ["--no-plot"] if args[:1] == ("run",) and not plot else []
+    return [sys.executable, "-m", "recover.cli.main", *args[:1], *extra, *args[1:]]
 
 
 def run_recover(out: Path, *args: str, timeout: float = 120,
-                env: dict[str, str] | None = None) -> RunResult:
+                env: dict[str, str] | None = None, plot: bool = False) -> RunResult:
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    proc = subprocess.run(recover_cmd("run", "--out", str(out), *args), capture_output=True,
+    proc = subprocess.run(recover_cmd("run", "--out", str(out), *args, plot=plot),
+                          capture_output=True,
                           text=True, timeout=timeout, env=env)
     return RunResult(proc.returncode, proc.stdout, proc.stderr, out)
 

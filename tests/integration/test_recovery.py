@@ -54,9 +54,13 @@ def test_a_kill_in_each_phase_of_a_step(tmp_path: Path, reference: dict[str, Any
     kills = [a for step, replica, phase in PHASE_KILLS
              for a in ("--kill", f"step={step},replica={replica},phase={phase}")]
     assert BASE_ARGS[:2] == ["--replicas", "4"]
-    result = run_recover(tmp_path, "--replicas", "5", *BASE_ARGS[2:], *NO_RESTARTS, *kills)
+    result = run_recover(tmp_path, "--replicas", "5", *BASE_ARGS[2:], *NO_RESTARTS, *kills,
+                         plot=True)
     assert result.returncode == 0, result.stderr
     summary = result.summary
+    # The run against wall time, drawn at the end (cli/timeline.py's figure is unit-tested).
+    assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
+    assert f"plot: {tmp_path / 'plot.png'}" in result.stdout
     assert_same_training(summary, reference)
     failures = sorted(summary["failures"], key=lambda f: f["step"])
     assert [(f["step"], f["replica"], f["phase"]) for f in failures] == PHASE_KILLS

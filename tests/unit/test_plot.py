@@ -95,3 +95,89 @@ def test_bad_input_is_one_line(tmp_path, capsys, case):
 def test_no_runs_is_a_usage_error():
     with pytest.raises(UsageError, match="name at least one run"):
         plot.plot([], "x.png")
+
+
+# ---------------------------------------------------------------- against wall time
+
+def timed(failures: list[dict] | None = None, joins: list[dict] | None = None) -> dict:
+    """A ReCoVer run of 12 steps, one every second from t=10 s, 100 tokens each."""
+    base = summary([4.0 - 0.1 * s for s in range(12)], [], replicas=[4] * 5 + [3] * 3 + [4] * 4)
+    base.update(steps_committed=12, committed_at_s_per_step=[10.0 + s for s in range(12)],
+                tokens_per_step=[100] * 12, failures=failures or [], joins=joins or [])
+    for key in ("microbatches_per_step", "sample_digest_per_step", "param_sha256_per_step"):
+        base[key] = base[key][:1] * 12
+    return base
+
+
+def baseline() -> dict:
+    """A ckpt-restart run: steps 0-5, a failure at 16.5 s, back from step 3 at 21 s."""
+    timeline = [[10.0 + s, s] for s in range(6)] + [[21.0 + i, s] for i, s in enumerate(range(3, 12))]
+    return {"mode": "ckpt-restart", "steps_committed": 12, "replicas": 4, "tokens": 1200,
+            "loss_per_step": [4.0 - 0.1 * s for s in range(12)], "commit_timeline": timeline,
+            "failures": [{"step": 6}], "attempts": [{"n": 0, "world": 4}, {"n": 1, "world": 4}],
+            "restarts": [{"failed_at_s": 16.5, "restart_s": 4.5}]}
+
+
+def test_a_recover_run_in_time_its_stall_its_join_and_its_rate() -> None:
+    from recover.cli import timeline
+
+    run = timeline.shifted(timeline.recover_timeline(timed(
+        failures=[{"step": 5, "at_s": 14.5, "recovered_s": 0.05, "replica": 1}],
+        joins=[{"replica": 4, "spare": False, "started_at_s": 16.0, "entered_at_s": 17.2}])))
+    assert run.commits[0] == (0.0, 0) and run.commits[-1] == (11.0, 11)  # from the first commit
+    assert run.stalls == [(4.5, 5.0)]  # the failure to the commit of the step it struck
+    assert run.joins == [(6.0, pytest.approx(7.2))]
+    assert run.replicas[:1] == [(0.0, 4)] and (5.0, 3) in run.replicas
+    assert timeline.rates(run) == [(float(t), 500 / 5) for t in range(5, 12)]  # 100 tokens/s
+
+
+def test_a_ckpt_restart_run_in_time_breaks_at_its_restart() -> None:
+    from recover.cli import timeline
+
+    run = timeline.shifted(timeline.baseline_timeline(baseline()))
+    assert [len(part) for part in timeline.segments(run.commits)] == [6, 9]
+    assert run.restarts == [(6.5, 11.0)]
+    assert run.replicas == [(0.0, 4), (6.5, 0), (11.0, 4), (19.0, 4)]
+    xs, ys = timeline.broken(run.commits, lambda step: step)
+    gap = ys.index(next(y for y in ys if y != y))  # the NaN between the segments
+    assert xs[gap] == 11.0 and ys[gap - 1] == 5 and ys[gap + 1] == 3  # work done again
+    rates = timeline.rates(run)
+    assert any(r != r for _, r in rates)  # no rate drawn across the restart
+
+
+def test_the_time_figure_overlays_both_runs_with_their_shading(tmp_path) -> None:
+    from recover.cli import timeline
+
+    runs = []
+    for name, data in (("recover", timed(
+            failures=[{"step": 5, "at_s": 14.5, "recovered_s": 0.05, "replica": 1}],
+            joins=[{"replica": 4, "spare": False, "started_at_s": 16.0, "entered_at_s": 17.2}])),
+            ("ckpt", baseline())):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps(data))
+        runs.append(str(tmp_path / name))
+    plt = plot._pyplot()
+    summaries = [plot.load_run(r) for r in runs]
+    fig = timeline.draw_timeline(plt, summaries, runs,
+                                 [plot.label_of(s, r) for s, r in zip(summaries, runs, strict=True)])
+    try:
+        loss, steps, replicas, rate = fig.axes
+        assert len(loss.get_lines()) == 2 and len(rate.get_lines()) == 2
+        shaded = [t.get_text() for t in loss.get_legend().get_texts()]
+        assert "recovery (failure to its step's commit)" in shaded
+        assert "join (transfer to entry; a spare: its promotion)" in shaded and "checkpoint restart" in shaded
+        assert any("checkpoint-and-restart" in s for s in shaded)  # the baseline's label
+        assert rate.get_xlabel() == "seconds since the run's first commit"
+    finally:
+        plt.close(fig)
+    out = tmp_path / "time.png"
+    assert main(["plot", *runs, "--x", "time", "--out", str(out)]) == 0
+    assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_ckpt_restart_run_by_step_is_one_line(tmp_path, capsys) -> None:
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "summary.json").write_text(json.dumps(baseline()))
+    assert main(["plot", str(tmp_path / "ckpt"), "--out", str(tmp_path / "t.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "plot it with --x time" in err
