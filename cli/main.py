@@ -136,6 +136,10 @@ def build_parser() -> Parser:
                      help="address the metrics endpoint listens on (default: --host)")
     ctl.add_argument("--metrics-port-file", default=None,
                      help="write the metrics endpoint's port here once it listens")
+    ctl.add_argument("--metrics-plain", action="store_true",
+                     help="serve metrics over plain HTTP even under TLS (for a scraper on a "
+                          "trusted network; by default HTTPS, with client certificates when "
+                          "--tls-ca is given)")
     ctl.add_argument("--agent-timeout", type=positive_seconds, default=3.0,
                      help="seconds of heartbeat silence before an agent is declared lost")
     ctl.add_argument("--start-timeout", type=positive_seconds, default=120.0,
@@ -282,7 +286,8 @@ def _run_controller(args: argparse.Namespace) -> int:
                               store_url=args.store, agent_timeout_s=args.agent_timeout,
                               start_timeout_s=args.start_timeout, linger_s=args.linger,
                               metrics_port=args.metrics_port, metrics_host=args.metrics_host,
-                              metrics_port_file=args.metrics_port_file, advertise=args.advertise,
+                              metrics_port_file=args.metrics_port_file,
+                              metrics_plain=args.metrics_plain, advertise=args.advertise,
                               controller_id=args.controller_id, lease_ttl_s=args.lease_ttl,
                               summary_dir=args.summary_out, start_grace_s=args.start_grace,
                               security=security)

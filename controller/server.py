@@ -11,7 +11,7 @@ import socket
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from prometheus_client import CollectorRegistry, start_http_server
@@ -68,6 +68,9 @@ class ControllerConfig:
     metrics_port_file: str | None = None
     """Write the metrics endpoint's port here once it listens (for a launcher or a scraper's
     file-based discovery)."""
+    metrics_plain: bool = False
+    """Serve metrics over plain HTTP even when the controller serves TLS (a scraper on a
+    trusted network or loopback); by default they are as secured as the gRPC server."""
     advertise: str | None = None
     """host:port agents and users reach this controller at (default: host and the bound port)."""
     controller_id: str | None = None
@@ -96,6 +99,16 @@ async def wait_for_store(store: Store, url: str, retry_s: float = 2.0) -> None:
         except StoreError as exc:
             log.error("store not reachable (%s); retrying in %.0fs", exc, retry_s)
             await asyncio.sleep(retry_s)
+
+
+def metrics_tls(security: Security, plain: bool) -> dict[str, Any]:
+    """How the metrics endpoint is secured (prometheus-client's start_http_server options):
+    as the gRPC server is (HTTPS; client certificates of the CA when it has one), unless
+    the operator chose plain HTTP for it."""
+    if not security.cert or plain:
+        return {}
+    return dict(certfile=security.cert, keyfile=security.key, client_cafile=security.ca or None,
+                client_auth_required=bool(security.ca))
 
 
 async def serve(config: ControllerConfig, job: pb.JobConfig) -> int:
@@ -132,8 +145,7 @@ async def serve(config: ControllerConfig, job: pb.JobConfig) -> int:
     registry = CollectorRegistry()
     registry.register(RoleCollector(election))
     if config.metrics_port is not None:
-        tls = dict(certfile=security.cert, keyfile=security.key, client_cafile=security.ca or None,
-                   client_auth_required=bool(security.ca)) if security.cert else {}
+        tls = metrics_tls(security, config.metrics_plain)
         metrics_host = config.metrics_host or config.host
         metrics_server, _ = start_http_server(config.metrics_port, metrics_host, registry=registry,
                                               **tls)

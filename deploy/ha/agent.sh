@@ -10,4 +10,5 @@ recover=(${RECOVER_BIN:-recover})
 # Credentials come from the environment recover-ha.env exports (RECOVER_TLS_*); the
 # agent id is bound to this host's certificate when it first registers.
 exec "${recover[@]}" agent --controller "$RECOVER_CONTROLLERS" --slots "$RECOVER_SLOTS" \
-  --agent-id "$RECOVER_HOST_NAME" --metrics-port "$RECOVER_AGENT_METRICS_PORT" --connect-timeout 60
+  --agent-id "$RECOVER_HOST_NAME" --metrics-port "$RECOVER_AGENT_METRICS_PORT" \
+  --metrics-host "$RECOVER_AGENT_METRICS_HOST" --connect-timeout 60

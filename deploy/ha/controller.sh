@@ -13,6 +13,7 @@ command=()
 recover=(${RECOVER_BIN:-recover})
 # Credentials come from the environment recover-ha.env exports (RECOVER_TLS_*).
 # shellcheck disable=SC2086  # RECOVER_JOB_ARGS is a list of arguments
+plain=(); [ -z "${RECOVER_METRICS_PLAIN:-}" ] || plain=(--metrics-plain)
 exec "${recover[@]}" controller $RECOVER_JOB_ARGS --host "$HOST" --port "$RECOVER_CONTROLLER_PORT" \
-  --store "$RECOVER_ETCD" --metrics-port "$RECOVER_METRICS_PORT" --controller-id "$RECOVER_HOST_NAME" \
-  --summary-out "${RECOVER_SUMMARY_DIR:-/var/lib/recover/$RECOVER_HOST_NAME}" "${command[@]}"
+  --store "$RECOVER_ETCD" --metrics-port "$RECOVER_METRICS_PORT" "${plain[@]}" \
+  --controller-id "$RECOVER_HOST_NAME" --summary-out "$RECOVER_SUMMARY_DIR" "${command[@]}"

@@ -20,7 +20,7 @@ for member in ${RECOVER_ETCD_CLUSTER//,/ }; do
   [ "${member%%=*}" = "$NAME" ] && IP="${member#*=}"
 done
 [ -n "$IP" ] || { echo "etcd.sh: $NAME is not in RECOVER_ETCD_CLUSTER ($RECOVER_ETCD_CLUSTER)" >&2; exit 2; }
-exec etcd --name "$NAME" --data-dir "${RECOVER_ETCD_DATA:-/var/lib/recover-etcd}/$NAME" \
+exec etcd --name "$NAME" --data-dir "$RECOVER_ETCD_DATA/$NAME" \
   --listen-client-urls "$scheme://$IP:$RECOVER_ETCD_CLIENT_PORT" \
   --advertise-client-urls "$scheme://$IP:$RECOVER_ETCD_CLIENT_PORT" \
   --listen-peer-urls "$scheme://$IP:$RECOVER_ETCD_PEER_PORT" \

@@ -9,8 +9,11 @@ import json
 import os
 import re
 import shlex
+import ssl
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -37,7 +40,7 @@ def edited_env_file(tmp_path: Path, settings: dict[str, str]) -> Path:
 
 def test_the_ha_recipe_trains_over_mutual_tls(tmp_path: Path) -> None:
     require_etcd()
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     tls = tmp_path / "tls"
     env_file = edited_env_file(tmp_path, {
         "RECOVER_TLS_DIR": str(tls),
@@ -46,7 +49,7 @@ def test_the_ha_recipe_trains_over_mutual_tls(tmp_path: Path) -> None:
         "RECOVER_ETCD_PEER_PORT": str(free_port()),
         "RECOVER_CONTROLLERS": f"127.0.0.1:{port}",
         "RECOVER_CONTROLLER_PORT": str(port),
-        "RECOVER_METRICS_PORT": str(free_port()),
+        "RECOVER_METRICS_PORT": str(metrics_port),
         "RECOVER_AGENT_METRICS_PORT": str(free_port()),
         "RECOVER_JOB_ARGS": f"--job-id ha --replicas 2 --steps {STEPS} -M 4 -B 2 --reduce exact "
                             "--linger 30",
@@ -92,6 +95,14 @@ def test_the_ha_recipe_trains_over_mutual_tls(tmp_path: Path) -> None:
         refused = subprocess.run(recover_cmd("status", "--controller", f"127.0.0.1:{port}"),
                                  capture_output=True, text=True, timeout=30, env=bare)
         assert refused.returncode != 0 and "TLS" in refused.stderr, refused.stderr
+        # The metrics are as closed as the controller: HTTPS, a client certificate of the CA.
+        url = f"https://127.0.0.1:{metrics_port}/metrics"
+        context = ssl.create_default_context(cafile=str(tls / "ca.pem"))
+        with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
+            urllib.request.urlopen(url, context=context, timeout=10).read()
+        context.load_cert_chain(str(tls / "host0.pem"), str(tls / "host0-key.pem"))
+        with urllib.request.urlopen(url, context=context, timeout=10) as response:
+            assert "recover_controller_is_leader 1.0" in response.read().decode()
         assert controller.wait(timeout=60) == 0
     finally:
         for process in started:

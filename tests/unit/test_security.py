@@ -190,3 +190,20 @@ def test_only_a_serving_certificate_can_serve(tmp_path: Path, roles: list[Role],
         channel.close()
         server.stop(None)
     assert handshake is serves
+
+
+@pytest.mark.parametrize(("security", "plain", "expected"), [
+    (Security(), False, {}),  # plaintext controller: plain metrics
+    (Security(cert="c.pem", key="k.pem"), False,
+     {"certfile": "c.pem", "keyfile": "k.pem", "client_cafile": None,
+      "client_auth_required": False}),  # TLS, tokens for clients: HTTPS without client certs
+    (Security(cert="c.pem", key="k.pem", ca="ca.pem"), False,
+     {"certfile": "c.pem", "keyfile": "k.pem", "client_cafile": "ca.pem",
+      "client_auth_required": True}),  # mutual TLS: so are the metrics
+    (Security(cert="c.pem", key="k.pem", ca="ca.pem"), True, {}),  # --metrics-plain
+], ids=["plaintext", "tls", "mutual-tls", "metrics-plain"])
+def test_the_metrics_endpoint_is_as_closed_as_the_controller_unless_told(
+        security: Security, plain: bool, expected: dict) -> None:
+    from recover.controller.server import metrics_tls
+
+    assert metrics_tls(security, plain) == expected
