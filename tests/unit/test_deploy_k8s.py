@@ -10,6 +10,7 @@ each other correctly (selectors, ports, volumes, Secrets, names the arguments sp
 from __future__ import annotations
 
 import re
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +133,11 @@ def test_the_containers_command_lines_are_recovers_own() -> None:
     # No --agent-id: each start is named after its pod plus a random suffix, so a restarted
     # container or a replaced pod never claims an id the controller already knows.
     assert agent.agent_id is None
+    from recover.agent.daemon import AgentConfig
+
+    first, second = (AgentConfig(controller="c:1", slots=1).agent_id for _ in range(2))
+    hostname = socket.gethostname()  # in a pod: the pod's name
+    assert first != second and first.startswith(f"{hostname}-") and second.startswith(hostname)
     gpus = pod("recover-agent")["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
     assert agent.slots == gpus
     assert agent.tls_ca and agent.token_file and not agent.tls_cert
