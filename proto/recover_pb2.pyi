@@ -291,14 +291,24 @@ class StopReplica(_message.Message):
     def __init__(self, replica: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class TensorMeta(_message.Message):
-    __slots__ = ("dtype", "shape", "nbytes")
+    __slots__ = ("dtype", "shape", "nbytes", "shard")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     nbytes: int
-    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    shard: TensorShard
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., shard: _Optional[_Union[TensorShard, _Mapping]] = ...) -> None: ...
+
+class TensorShard(_message.Message):
+    __slots__ = ("global_shape", "dim")
+    GLOBAL_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    global_shape: _containers.RepeatedScalarFieldContainer[int]
+    dim: int
+    def __init__(self, global_shape: _Optional[_Iterable[int]] = ..., dim: _Optional[int] = ...) -> None: ...
 
 class StateNode(_message.Message):
     __slots__ = ("tensor", "int_value", "float_value", "string_value", "bool_value", "none", "bytes_value", "sequence", "mapping", "int_mapping")

@@ -140,14 +140,77 @@ class CheckpointWriter:
 
 def load(path: str) -> tuple[pb.CheckpointMeta, Any]:
     """The checkpoint's meta and its state tree, every byte authenticated (one pass)."""
+    meta, tensors = _read(Path(path))
+    return meta, decode(meta.state.root, tensors)
+
+
+def _read(path: Path) -> tuple[pb.CheckpointMeta, list[torch.Tensor]]:
     tensors: list[torch.Tensor] = []
 
     def buffers(meta: pb.CheckpointMeta) -> list[memoryview]:
         tensors.extend(empty_tensors(meta.state.tensors))
         return [as_bytes(t) for t in tensors]
 
-    meta = ckptfile.read(Path(path), buffers)
-    return meta, decode(meta.state.root, tensors)
+    return ckptfile.read(path, buffers), tensors
+
+
+def merge_set(head: Path, meta: pb.CheckpointMeta, tensors: list[torch.Tensor]) -> Any:
+    """The whole state of a checkpoint set (a replica of several ranks, each rank's file its
+    shards): each sharded tensor's parts put back together in rank order along the dimension
+    they split, every other value as rank 0 holds it. The ranks' workloads must have one
+    structure: a pipeline set (each rank a stage of its own) is no one model."""
+    ranks = [(meta, tensors)]
+    for rank in range(1, meta.job.ranks_per_replica):
+        path = ckptfile.rank_file(head, rank)
+        if not path.exists():
+            raise CheckpointError(f"{head.name}: rank {rank}'s file {path.name} is missing")
+        other = _read(path)
+        if other[0].step != meta.step:
+            raise CheckpointError(f"{head.name}: rank {rank}'s file is of step {other[0].step}")
+        ranks.append(other)
+    # Each rank's tree with its tensors as references, so that the walk below knows, for a
+    # tensor at a place, every rank's part and how the parts fit.
+    trees = [decode(m.state.root, [_Part(rank, i) for i in range(len(t))])
+             for rank, (m, t) in enumerate(ranks)]
+
+    def merged(part: _Part) -> torch.Tensor:
+        layout = meta.state.tensors[part.index].shard if \
+            meta.state.tensors[part.index].HasField("shard") else None
+        if layout is None:
+            return tensors[part.index]
+        if layout.dim < 0:
+            raise CheckpointError(f"{head.name}: a tensor is sharded in a layout that rank files "
+                                  "cannot be put back together from (several mesh dimensions or "
+                                  "strided shards)")
+        whole = torch.cat([ranks[rank][1][part.index] for rank in range(len(ranks))],
+                          dim=layout.dim)
+        if list(whole.shape) != list(layout.global_shape):
+            raise CheckpointError(f"{head.name}: a tensor's parts make {list(whole.shape)}, not "
+                                  f"the {list(layout.global_shape)} they were cut from")
+        return whole
+
+    def walk(values: list[Any], where: str) -> Any:
+        first = values[0]
+        if isinstance(first, _Part):
+            if not all(isinstance(v, _Part) and v.index == first.index for v in values):
+                raise CheckpointError(f"{head.name}: {where} differs between the ranks' files")
+            return merged(first)
+        if isinstance(first, dict):
+            if any(not isinstance(v, dict) or list(v) != list(first) for v in values):
+                raise CheckpointError(f"{head.name}: {where} differs between the ranks' files "
+                                      "(pipeline stages?): there is no one model to merge; each "
+                                      "rank's file resumes its own rank")
+            return {k: walk([v[k] for v in values], f"{where}[{k!r}]") for k in first}
+        if isinstance(first, list | tuple):
+            if any(not isinstance(v, list | tuple) or len(v) != len(first) for v in values):
+                raise CheckpointError(f"{head.name}: {where} differs between the ranks' files")
+            items = [walk([v[i] for v in values], f"{where}[{i}]") for i in range(len(first))]
+            return tuple(items) if isinstance(first, tuple) else items
+        return first  # a number, a string: rank 0's
+
+    state = dict(trees[0])
+    state["workload"] = walk([tree["workload"] for tree in trees], "the workload")
+    return state
 
 
 def committed_digest(meta: pb.CheckpointMeta) -> str | None:
@@ -158,6 +221,13 @@ def committed_digest(meta: pb.CheckpointMeta) -> str | None:
     digests = meta.ledger[-1].param_sha256
     own = [d.param_sha256 for d in digests if d.replica == meta.writer]
     return (own or [d.param_sha256 for d in digests] or [None])[0]
+
+
+@dataclass(frozen=True)
+class _Part:
+    """A tensor of rank `rank`'s file, by its index there (merge_set's placeholder)."""
+    rank: int
+    index: int
 
 
 @dataclass(frozen=True)
@@ -183,8 +253,9 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Read a checkpoint file, or the newest authentic one of a checkpoint folder, for use
     outside ReCoVer (evaluation, export, fine-tuning). Every byte is authenticated with the
     folder's key first (`checkpoint.key` beside the files: readable by its owner only), so a
-    planted or damaged file is refused; no pickle is involved. CheckpointError (a one-line
-    reason) when it cannot be used."""
+    planted or damaged file is refused; no pickle is involved. A sharded replica's set (a
+    file per rank) comes back as one model: each FSDP2 shard put back in place. CheckpointError
+    (a one-line reason) when it cannot be used."""
     where = Path(path)
     if where.is_dir():
         latest = ckptfile.latest(where)
@@ -193,12 +264,13 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         where = latest.path
     elif not where.exists():
         raise CheckpointError(f"no checkpoint file or folder {str(where)!r}")
-    meta, state = load(str(where))
-    if meta.job.ranks_per_replica > 1:
-        raise CheckpointError(f"{where.name} is rank 0's part of a checkpoint of a replica of "
-                              f"{meta.job.ranks_per_replica} ranks (each rank's shards are in "
-                              "its own file): loading it whole is not built yet; "
-                              "`recover run --resume` continues the job from it")
+    if ".rank" in where.name:
+        raise CheckpointError(f"{where.name} is one rank's part of a checkpoint set: name the "
+                              f"set's head ({where.name.split('.rank')[0]}.rcv) or its folder")
+    meta, tensors = _read(where)
+    # A replica of several ranks wrote a set, a file per rank: the model is all of them.
+    state = merge_set(where, meta, tensors) if meta.job.ranks_per_replica > 1 \
+        else decode(meta.state.root, tensors)
     workload = state["workload"]
     return Checkpoint(path=where, step=meta.step, job_id=meta.job.job_id,
                       model=dict(workload["model"]), optimizer=workload["optimizer"],

@@ -36,9 +36,11 @@ class EncodedState:
 
     root: pb.StateNode
     tensors: list[torch.Tensor] = field(default_factory=list)
+    shards: list[pb.TensorShard | None] = field(default_factory=list)
+    """Per tensor, when it is this rank's part of a sharded tensor: the whole's layout."""
 
     def manifest(self) -> pb.StateManifest:
-        return pb.StateManifest(root=self.root, tensors=tensor_metas(self.tensors))
+        return pb.StateManifest(root=self.root, tensors=tensor_metas(self.tensors, self.shards))
 
     @property
     def nbytes(self) -> int:
@@ -50,9 +52,11 @@ def encode(state: Any, *, copy: bool = True, check_only: bool = False) -> Encode
     training may run past) and describe the rest as a tree. `check_only`: just find what
     cannot be sent (tensors stay where they are)."""
     tensors: list[torch.Tensor] = []
+    shards: list[pb.TensorShard | None] = []
 
     def node(value: Any, path: str) -> pb.StateNode:
         if isinstance(value, torch.Tensor):
+            shards.append(shard_layout(value))
             t = local_part(value).detach()  # a shard (DTensor) travels as this rank's part
             if t.dtype not in _DTYPES.values():
                 raise StateEncodingError(f"{path}: tensors of dtype {t.dtype} cannot be sent")
@@ -90,7 +94,23 @@ def encode(state: Any, *, copy: bool = True, check_only: bool = False) -> Encode
         raise StateEncodingError(f"{path}: a {type(value).__name__} cannot be sent (state may hold "
                                  "tensors, numbers, strings, bytes, None, lists, tuples, dicts)")
 
-    return EncodedState(node(state, "state"), tensors)
+    return EncodedState(node(state, "state"), tensors, shards)
+
+
+def shard_layout(tensor: torch.Tensor) -> pb.TensorShard | None:
+    """How this rank's part of a DTensor sits in the whole (None for a plain tensor, or a
+    DTensor every rank holds whole)."""
+    placements = getattr(tensor, "placements", None)
+    if placements is None:
+        return None
+    from torch.distributed.tensor import Shard
+
+    sharded = [p for p in placements if not p.is_replicate()]
+    if not sharded:
+        return None
+    simple = len(placements) == 1 and type(sharded[0]) is Shard
+    return pb.TensorShard(global_shape=list(tensor.shape),
+                          dim=sharded[0].dim if simple else -1)
 
 
 def decode(root: pb.StateNode, tensors: list[torch.Tensor]) -> Any:
@@ -114,10 +134,13 @@ def decode(root: pb.StateNode, tensors: list[torch.Tensor]) -> Any:
     return getattr(root, kind)
 
 
-def tensor_metas(tensors: list[torch.Tensor]) -> list[pb.TensorMeta]:
+def tensor_metas(tensors: list[torch.Tensor],
+                 shards: list[pb.TensorShard | None] | None = None) -> list[pb.TensorMeta]:
     """How a frame describes the tensors that follow it."""
+    layouts = shards or [None] * len(tensors)
     return [pb.TensorMeta(dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape),
-                          nbytes=t.numel() * t.element_size()) for t in tensors]
+                          nbytes=t.numel() * t.element_size(), shard=layout)
+            for t, layout in zip(tensors, layouts, strict=True)]
 
 
 def meta_dtype(meta: pb.TensorMeta) -> torch.dtype:

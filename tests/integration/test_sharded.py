@@ -11,12 +11,19 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.integration.conftest import REPO, alive, assert_bitwise_identical, run_recover
+from tests.integration.conftest import (
+    REPO,
+    alive,
+    assert_bitwise_identical,
+    recover_cmd,
+    run_recover,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -84,6 +91,14 @@ def test_hsdp_exact_is_bitwise_through_a_rank_lost_in_each_phase_and_a_resume(
     want = torch.load(tmp_path / "reference.pt")
     got = torch.load(tmp_path / "resumed.pt")
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    # One model out of the newest set (a file per rank, each its FSDP2 shards): the same
+    # bits as the script's own gather.
+    exported = tmp_path / "exported.pt"
+    done = subprocess.run(recover_cmd("export", str(tmp_path / "ckpt"), str(exported)),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    merged = torch.load(exported, weights_only=True)
+    assert sorted(merged) == sorted(want) and all(torch.equal(merged[k], want[k]) for k in want)
 
 
 def test_a_lost_sharded_replica_rejoins_rank_by_rank_or_a_spare_takes_its_place(

@@ -5,6 +5,7 @@ a resume that takes the job from its invocation, never from a file."""
 from __future__ import annotations
 
 import os
+import re
 import stat
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,8 +17,9 @@ from torch import nn
 from recover.cli.jobargs import UsageError
 from recover.cli.resume import resumed_job
 from recover.common import ckptfile, ckptkey
+from recover.common.ckptfile import CheckpointError
 from recover.proto import pb
-from recover.trainer.checkpoint import load
+from recover.trainer.checkpoint import load, load_checkpoint
 from recover.trainer.digest import parameter_digest
 from recover.trainer.errors import WorkloadError
 from recover.trainer.executorbase import ExecutorBase
@@ -229,3 +231,52 @@ def test_the_controller_authenticates_the_resume_point_and_says_so_in_one_line(
         _resume_point(job(resume=pb.ResumePoint(path=str(forged), step=30)))
     assert str(refused.value).startswith(f"cannot resume from {forged}: ")
     assert "\n" not in str(refused.value)
+
+
+# ---------------------------------------------------------------- sets of a sharded replica
+
+WHOLE = torch.arange(10.0).reshape(5, 2)
+"""A parameter FSDP2 cut in two along dim 0 (uneven: 3 rows and 2, as torch.chunk does)."""
+
+
+def write_rank(folder: Path, step: int, rank: int, weight: torch.Tensor, *,
+               extra_key: str = "", layout: pb.TensorShard | None = None) -> Path:
+    model = {"w": weight, "b": torch.ones(2), **({extra_key: torch.zeros(1)} if extra_key else {})}
+    encoded = encode({"workload": {"model": model, "optimizer": {"step": 3},
+                                   "extra": {}}})
+    encoded.shards[0] = layout if layout is not None else \
+        pb.TensorShard(global_shape=list(WHOLE.shape), dim=0)
+    meta = pb.CheckpointMeta(job=job(ranks_per_replica=2), step=step, state=encoded.manifest())
+    return ckptfile.write(folder, meta, (as_bytes(t) for t in encoded.tensors), rank=rank)
+
+
+def test_a_sharded_set_loads_as_one_model_its_shards_put_back_in_place(tmp_path: Path) -> None:
+    write_rank(tmp_path, 4, 1, WHOLE[3:])  # rank 1 first, the head last, as workers do
+    head = write_rank(tmp_path, 4, 0, WHOLE[:3])
+    loaded = load_checkpoint(tmp_path)
+    assert loaded.path == head and loaded.step == 4
+    assert torch.equal(loaded.model["w"], WHOLE) and torch.equal(loaded.model["b"], torch.ones(2))
+    assert loaded.optimizer == {"step": 3}
+
+
+@pytest.mark.parametrize("case", ["rank-file-named", "rank-file-missing", "pipeline-stages",
+                                  "unmergeable-layout", "parts-do-not-fit"])
+def test_what_cannot_be_one_model_is_one_line(tmp_path: Path, case: str) -> None:
+    if case == "pipeline-stages":  # another stage: another state tree
+        write_rank(tmp_path, 4, 1, WHOLE[3:], extra_key="stage1.only")
+    elif case == "unmergeable-layout":
+        write_rank(tmp_path, 4, 1, WHOLE[3:], layout=pb.TensorShard(global_shape=[5, 2], dim=-1))
+    elif case == "parts-do-not-fit":
+        write_rank(tmp_path, 4, 1, WHOLE[4:])
+    elif case != "rank-file-missing":
+        write_rank(tmp_path, 4, 1, WHOLE[3:])
+    layout = pb.TensorShard(global_shape=[5, 2], dim=-1) if case == "unmergeable-layout" else None
+    head = write_rank(tmp_path, 4, 0, WHOLE[:3], layout=layout)
+    target = ckptfile.rank_file(head, 1) if case == "rank-file-named" else head
+    want = {"rank-file-named": "is one rank's part of a checkpoint set: name the set's head",
+            "rank-file-missing": "rank 1's file ckpt-0000000004.rank1.rcv is missing",
+            "pipeline-stages": "there is no one model to merge",
+            "unmergeable-layout": "cannot be put back together",
+            "parts-do-not-fit": "parts make [4, 2], not the [5, 2]"}[case]
+    with pytest.raises(CheckpointError, match=re.escape(want)):
+        load_checkpoint(target)
