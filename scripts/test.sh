@@ -9,12 +9,13 @@ if [ "${1:-}" = "--quick" ]; then
   set -- tests/unit "tests/integration/test_recovery.py::test_a_kill_in_each_phase_of_a_step" "$@"
 fi
 bash scripts/setup.sh
-# Tests with real etcd need the etcd server (Debian package etcd-server); the
+# Tests with real etcd need the etcd server and etcdctl (etcd-server, etcd-client); the
 # network-partition test needs `ip` (iproute2) and root; the deploy recipes' tests need
 # Prometheus and promtool (prometheus), systemd-analyze (systemd), a Slurm of their own
 # (slurm-wlm, munge) and the compose file's validator (docker-compose; no daemon).
 missing=()
 command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
+command -v etcdctl >/dev/null 2>&1 || missing+=(etcd-client)
 command -v ip >/dev/null 2>&1 || missing+=(iproute2)
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import ssl
 import subprocess
 import sys
@@ -40,12 +41,15 @@ def edited_env_file(tmp_path: Path, settings: dict[str, str]) -> Path:
 
 def test_the_ha_recipe_trains_over_mutual_tls(tmp_path: Path) -> None:
     require_etcd()
-    port, metrics_port = free_port(), free_port()
+    if shutil.which("etcdctl") is None:
+        pytest.skip("etcdctl is not installed (Debian package etcd-client; scripts/test.sh "
+                    "installs it)")
+    port, metrics_port, etcd_port = free_port(), free_port(), free_port()
     tls = tmp_path / "tls"
     env_file = edited_env_file(tmp_path, {
         "RECOVER_TLS_DIR": str(tls),
         "RECOVER_ETCD_CLUSTER": "m1=127.0.0.1",
-        "RECOVER_ETCD_CLIENT_PORT": str(free_port()),
+        "RECOVER_ETCD_CLIENT_PORT": str(etcd_port),
         "RECOVER_ETCD_PEER_PORT": str(free_port()),
         "RECOVER_CONTROLLERS": f"127.0.0.1:{port}",
         "RECOVER_CONTROLLER_PORT": str(port),
@@ -60,7 +64,8 @@ def test_the_ha_recipe_trains_over_mutual_tls(tmp_path: Path) -> None:
                RECOVER_HOST_NAME="host0", RECOVER_ETCD_DATA=str(tmp_path / "etcd"),
                RECOVER_SUMMARY_DIR=str(tmp_path / "summary"), PYTHONUNBUFFERED="1")
     made = subprocess.run(["bash", str(DEPLOY / "certs.sh"), str(tls),
-                           "host0:controller+agent@127.0.0.1,recover-etcd"],
+                           "host0:controller+agent@127.0.0.1,recover-etcd", "gpu1:agent",
+                           "root:operator"],
                           capture_output=True, text=True, timeout=60, env=env)
     assert made.returncode == 0, made.stderr
     assert {"ca.pem", "host0.pem", "host0-key.pem"} <= {p.name for p in tls.iterdir()}
@@ -79,6 +84,10 @@ def test_the_ha_recipe_trains_over_mutual_tls(tmp_path: Path) -> None:
 
     try:
         start("etcd", "m1")
+        # etcd closed to all but the controllers' certificates (users by common name).
+        closed = subprocess.run(["bash", str(DEPLOY / "etcd-auth.sh"), str(env_file), "host0"],
+                                capture_output=True, text=True, timeout=120, env=env)
+        assert closed.returncode == 0, closed.stdout + closed.stderr
         controller = start("controller", "127.0.0.1")
         start("agent")
         summary_file = tmp_path / "summary" / "summary.json"
@@ -95,6 +104,23 @@ def test_the_ha_recipe_trains_over_mutual_tls(tmp_path: Path) -> None:
         refused = subprocess.run(recover_cmd("status", "--controller", f"127.0.0.1:{port}"),
                                  capture_output=True, text=True, timeout=30, env=bare)
         assert refused.returncode != 0 and "TLS" in refused.stderr, refused.stderr
+        # etcd: an agent's certificate (same CA) reaches it but may neither read nor write
+        # the job's keys, the leader's included; the controller's may.
+        def etcdctl(name: str, *args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                ["etcdctl", "--endpoints", f"https://127.0.0.1:{etcd_port}",
+                 "--cacert", str(tls / "ca.pem"), "--cert", str(tls / f"{name}.pem"),
+                 "--key", str(tls / f"{name}-key.pem"), *args],
+                capture_output=True, text=True, errors="replace", timeout=30,
+                env=dict(env, ETCDCTL_API="3"))
+
+        leader = "/recover/ha/leader"
+        assert etcdctl("host0", "get", leader).stdout.strip()  # the last leader's record
+        for attempt in (("get", "/recover/", "--prefix"), ("put", leader, "forged")):
+            refused_etcd = etcdctl("gpu1", *attempt)
+            assert refused_etcd.returncode != 0, refused_etcd.stdout
+            assert "permission denied" in refused_etcd.stderr or \
+                "user name not found" in refused_etcd.stderr, refused_etcd.stderr
         # The metrics are as closed as the controller: HTTPS, a client certificate of the CA.
         url = f"https://127.0.0.1:{metrics_port}/metrics"
         context = ssl.create_default_context(cafile=str(tls / "ca.pem"))
