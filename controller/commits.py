@@ -42,6 +42,7 @@ def commit(d: Draft, reported: list[pb.Reduced]) -> None:
         return
     record = step_record(job, v.step, v.generation, members, reported, d.now,
                          loss=verdict.loss)
+    record.failures.extend(d.facts.unrecorded_failures)
     next_step = v.step + 1
     final = next_step >= job.steps
     stop = bool(v.stopping) and not final

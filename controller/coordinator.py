@@ -90,6 +90,8 @@ class Coordinator:
         self._progress = StepProgress()
         self.steps: list[pb.StepRecord] = []
         """The ledger: every committed step's record, in order."""
+        self._failures_in_ledger = 0
+        """How many of the failures (in order) step records hold: the rest go in the next."""
         self._commit_waits: dict[int, list[float]] = {}
         self.stale_reports = 0
         self.transfers: list[tuple[int, float]] = []
@@ -162,7 +164,8 @@ class Coordinator:
         plans = self.policy.with_measurements(self.speeds(), self.view.plan)
         return Draft(self.view, Facts(
             now=self._clock(), policy=plans, token=_token, rendezvous=self._rendezvous,
-            ledger_len=len(self.steps), last_record=self.steps[-1] if self.steps else None))
+            ledger_len=len(self.steps), last_record=self.steps[-1] if self.steps else None,
+            unrecorded_failures=tuple(self.recovery.failures[self._failures_in_ledger:])))
 
     async def _run(self, transition: Transition[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         draft = self._draft()
@@ -229,6 +232,7 @@ class Coordinator:
                                                next_plan)
                 self.recovery.committed(before_store)
                 self.steps.append(record)
+                self._failures_in_ledger += len(record.failures)
                 self._progress.reduced.clear()
             case effects.SaveLastStep():
                 await self.records.save_step(self.steps[-1])
@@ -259,6 +263,7 @@ class Coordinator:
         resumed = list(resumed_from.ledger) if resumed_from is not None else None
         self.steps = takeover.ledger(persisted, resumed)
         self.recovery.failures = list(persisted.failures)
+        self._failures_in_ledger = sum(len(r.failures) for r in self.steps)
         self.events.restore(persisted.events)
         # The agents notice the old leader's silence about when we win the
         # election; give them their own timeout and then some to rejoin.
@@ -270,7 +275,11 @@ class Coordinator:
     def resume_from(self, checkpoint: pb.CheckpointMeta) -> None:
         """Start from a checkpoint's step, its ledger as the steps committed before it."""
         self.steps = list(checkpoint.ledger)
-        self._run_now(lambda d: d.set(step=checkpoint.step))
+        # The failures before the resume, as the ledger kept them (summary.json shows them).
+        self.recovery.failures = [f for record in self.steps for f in record.failures]
+        self._failures_in_ledger = len(self.recovery.failures)
+        recoveries = len({(f.step, f.generation) for f in self.recovery.failures})
+        self._run_now(lambda d: d.set(step=checkpoint.step, recoveries=recoveries))
         self.events.emit("resumed", f"from the checkpoint of step {checkpoint.step} "
                          f"({len(self.steps)} steps in its ledger)", step=checkpoint.step)
 

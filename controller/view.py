@@ -187,6 +187,8 @@ class Facts:
     """Steps in the ledger."""
     last_record: pb.StepRecord | None = None
     """The ledger's last step (with the parameter digests of those who applied it)."""
+    unrecorded_failures: tuple[pb.FailureRecord, ...] = ()
+    """Failures no step's record holds yet: the next record takes them."""
 
 
 _MAPS = ("agents", "replicas", "plan", "joins", "errors")

@@ -782,7 +782,7 @@ class ReplicaDigest(_message.Message):
     def __init__(self, replica: _Optional[int] = ..., param_sha256: _Optional[str] = ...) -> None: ...
 
 class StepRecord(_message.Message):
-    __slots__ = ("step", "generation", "microbatches", "sample_digest", "loss", "committed_at", "param_sha256", "tokens", "compute_s", "reduce_s", "commit_wait_s", "sample_ids", "replicas", "loads")
+    __slots__ = ("step", "generation", "microbatches", "sample_digest", "loss", "committed_at", "param_sha256", "tokens", "compute_s", "reduce_s", "commit_wait_s", "sample_ids", "replicas", "loads", "failures")
     STEP_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
@@ -797,6 +797,7 @@ class StepRecord(_message.Message):
     SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     LOADS_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
     step: int
     generation: int
     microbatches: int
@@ -811,7 +812,8 @@ class StepRecord(_message.Message):
     sample_ids: _containers.RepeatedScalarFieldContainer[int]
     replicas: int
     loads: _containers.RepeatedCompositeFieldContainer[ReplicaLoad]
-    def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., microbatches: _Optional[int] = ..., sample_digest: _Optional[str] = ..., loss: _Optional[float] = ..., committed_at: _Optional[float] = ..., param_sha256: _Optional[_Iterable[_Union[ReplicaDigest, _Mapping]]] = ..., tokens: _Optional[int] = ..., compute_s: _Optional[float] = ..., reduce_s: _Optional[float] = ..., commit_wait_s: _Optional[float] = ..., sample_ids: _Optional[_Iterable[int]] = ..., replicas: _Optional[int] = ..., loads: _Optional[_Iterable[_Union[ReplicaLoad, _Mapping]]] = ...) -> None: ...
+    failures: _containers.RepeatedCompositeFieldContainer[FailureRecord]
+    def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., microbatches: _Optional[int] = ..., sample_digest: _Optional[str] = ..., loss: _Optional[float] = ..., committed_at: _Optional[float] = ..., param_sha256: _Optional[_Iterable[_Union[ReplicaDigest, _Mapping]]] = ..., tokens: _Optional[int] = ..., compute_s: _Optional[float] = ..., reduce_s: _Optional[float] = ..., commit_wait_s: _Optional[float] = ..., sample_ids: _Optional[_Iterable[int]] = ..., replicas: _Optional[int] = ..., loads: _Optional[_Iterable[_Union[ReplicaLoad, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[FailureRecord, _Mapping]]] = ...) -> None: ...
 
 class FailureRecord(_message.Message):
     __slots__ = ("step", "replica", "phase", "cause", "killed_at", "detected_at", "recovered_at", "generation", "error")

@@ -88,6 +88,10 @@ def test_hsdp_exact_is_bitwise_through_a_rank_lost_in_each_phase_and_a_resume(
     # failure-free run's, bit for bit, on every live replica, and so is the saved model.
     assert_bitwise_identical(resumed.summary, reference.summary)
     assert resumed.summary["microbatches_per_step"] == [6] * 6
+    # The failures the checkpoint's ledger holds (those of the steps it covers; the total
+    # loss after them is in the killed run's summary) are in the resumed run's.
+    assert [(f["step"], f["replica"], f["phase"]) for f in resumed.summary["failures"]] == [
+        (1, 1, "backward"), (3, 2, "reduce")]
     want = torch.load(tmp_path / "reference.pt")
     got = torch.load(tmp_path / "resumed.pt")
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)

@@ -280,3 +280,27 @@ async def test_overflow_redoes_the_step_then_fails_instead_of_looping():
 
 def _fields(message: pb.Reduced) -> dict[str, Any]:
     return {f.name: v for f, v in message.ListFields()}
+
+
+@scenario
+async def test_step_records_carry_their_failures_so_a_resumed_job_keeps_them():
+    """A checkpoint carries the ledger: each step's record holds the failures recorded since
+    the previous one, and a job resumed from it reports them in its summary."""
+    h = Harness(make_job(replicas=3, m=6, steps=5))
+    await h.start()
+    await h.coord.worker_exited(pb.WorkerExited(
+        replica=1, signal=9, fault=pb.FaultNote(step=0, phase="backward", killed_at=1.0)))
+    await h.reduce()
+    await h.apply(0)
+    await h.reduce()  # step 1: no failure
+    await h.apply(1)
+    first, second = h.coord.steps
+    assert [(f.step, f.replica, f.phase) for f in first.failures] == [(0, 1, "backward")]
+    assert list(second.failures) == []  # each failure in one record only
+    stored = await h.stored_steps()
+    assert [len(r.failures) for r in stored] == [1, 0]  # durable with the commit
+
+    resumed = Harness(make_job(replicas=3, m=6, steps=5))
+    resumed.coord.resume_from(pb.CheckpointMeta(step=2, ledger=[first, second]))
+    assert [(f.step, f.replica) for f in resumed.coord.failures] == [(0, 1)]
+    assert resumed.coord.recoveries == 1
