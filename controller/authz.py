@@ -15,7 +15,7 @@ Every refusal is counted by its `reason` (the metric
 from __future__ import annotations
 
 import os
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -37,6 +37,8 @@ class Reason(StrEnum):
     """Valid credentials, but the role may not do this."""
     MALFORMED = "malformed"
     """Bytes that are not the message they claim to be."""
+    FOREIGN_ADDRESS = "foreign-address"
+    """A newcomer naming, for its state transfer, an address not on its agent's host."""
     IMPLAUSIBLE = "implausible"
     """A well-formed report of something the job cannot have done (a checkpoint it does not
     write, of a step it has not committed, in another folder)."""
@@ -101,6 +103,32 @@ def may_report(agent_id: str, kind: str, replica: int, hosted: Collection[int]) 
     if kind in REPLICA_MESSAGES and replica not in hosted:
         return Verdict(False, f"agent {agent_id!r} reported {kind} for replica {replica}, which "
                               "it does not host", Reason.FOREIGN_REPLICA)
+    return ALLOWED
+
+
+def peer_host(peer: str) -> str | None:
+    """The host of a gRPC peer string (`ipv4:10.0.0.5:5123`, `ipv6:[::1]:5123`); None for a
+    peer with no network address (a Unix socket)."""
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return None
+    host = rest.rpartition(":")[0]
+    return host.strip("[]") or None
+
+
+def may_name_transfer(addresses: str, peer: str | None,
+                      is_loopback: Callable[[str], bool]) -> Verdict:
+    """May a newcomer have its state sent to `addresses` (one per rank, comma-separated)? Only
+    to its own agent's host, the one the agent's session comes from: else a rogue could have
+    a donor stream the whole model to wherever it names."""
+    if peer is None:
+        return ALLOWED
+    for address in filter(None, addresses.split(",")):
+        host = address.rpartition(":")[0].strip("[]")
+        same = host == peer or (is_loopback(host) and is_loopback(peer))
+        if not same:
+            return Verdict(False, f"transfer address {address!r} is not on the host of its "
+                                  f"agent's session ({peer})", Reason.FOREIGN_ADDRESS)
     return ALLOWED
 
 

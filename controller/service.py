@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
+from recover.common.netaddr import is_loopback
 from recover.controller import authz
 from recover.controller.coordinator import Coordinator
 from recover.controller.gate import Gate, Malformed
@@ -104,6 +105,7 @@ class AgentSessions(rpc.AgentSessionServicer):
     ) -> AsyncIterator[pb.ControllerMessage]:
         identity = await self.gate.admit(context, "Session")
         subject = identity.subject if identity.proof != "none" else ""
+        peer = authz.peer_host(context.peer() or "")
         coordinator = self._coordinator
         if coordinator is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, await self._leader_hint())
@@ -151,7 +153,7 @@ class AgentSessions(rpc.AgentSessionServicer):
                                         "the first message of a session must be `register`"))
                         return
                     else:
-                        await self._dispatch(coordinator, agent_id, kind, message)
+                        await self._dispatch(coordinator, agent_id, kind, message, peer)
             except (grpc.aio.AioRpcError, asyncio.CancelledError):
                 pass
             except LostLeadership:
@@ -202,7 +204,7 @@ class AgentSessions(rpc.AgentSessionServicer):
                                     level=logging.WARNING)
 
     async def _dispatch(self, coordinator: Coordinator, agent_id: str, kind: str | None,
-                        message: pb.AgentMessage) -> None:
+                        message: pb.AgentMessage, peer: str | None = None) -> None:
         if kind == "heartbeat":
             coordinator.heartbeat(agent_id)
             return
@@ -230,6 +232,13 @@ class AgentSessions(rpc.AgentSessionServicer):
                 elif which == "resumed":
                     await coordinator.resumed(report.replica, report.resumed)
                 elif which == "ready":
+                    named = authz.may_name_transfer(report.ready.transfer_address, peer,
+                                                    is_loopback)
+                    if not named.allowed:  # it gets no donor: the newcomer is dropped
+                        self.reject(coordinator, named)
+                        await coordinator.members_lost([report.replica], named.reason,
+                                                       cause="refused")
+                        return
                     await coordinator.worker_ready(report.replica, report.ready)
                 elif which == "join_progress":
                     coordinator.joins.progress(report.replica, report.join_progress)

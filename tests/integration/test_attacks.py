@@ -98,7 +98,12 @@ def test_impostors_forged_reports_and_strangers_change_nothing(tmp_path: Path) -
                 pb.AgentMessage(report=pb.WorkerReport(replica=1, reduced=pb.Reduced(
                     generation=2, step=forged_step, microbatch_ids=range(6), loss=999.0))),
                 pb.AgentMessage(report=pb.WorkerReport(replica=0, applied=pb.Applied(
-                    step=forged_step - 1, param_sha256="ff" * 32)))):
+                    step=forged_step - 1, param_sha256="ff" * 32))),
+                # Its own newcomer asks for the model at an address off its host (0.0.0.0 is
+                # not where its session comes from; were it accepted, a donor would only
+                # reach this machine): it gets no donor, and is dropped.
+                pb.AgentMessage(report=pb.WorkerReport(replica=3, ready=pb.Ready(
+                    pid=1, transfer_address="0.0.0.0:7")))):
             rogue.outgoing.put(message)
         # 3. A stranger at the rendezvous store: it does not listen beyond loopback, and the
         # group's keys are under a prefix the stranger cannot know.
@@ -126,6 +131,9 @@ def test_impostors_forged_reports_and_strangers_change_nothing(tmp_path: Path) -
     assert registered.replica_ids == [3]
     log = (out / "logs" / "controller.log").read_text()
     assert "rejected: impostor" in log and log.count("rejected: foreign-replica") == 3
+    assert "rejected: foreign-address: transfer address '0.0.0.0:7' is not on the host" in log
+    assert "join-started" not in log.split("foreign-address")[1]  # no donor was sent
+    assert [f["cause"] for f in summary["failures"] if f["replica"] == 3] == ["refused"]
 
 
 def _rendezvous(out: Path) -> tuple[str, int]:

@@ -8,9 +8,11 @@ from recover.common.security import ALL_ROLES, ANONYMOUS, Identity, Role
 from recover.controller.authz import (
     Reason,
     may_call,
+    may_name_transfer,
     may_record_checkpoint,
     may_register,
     may_report,
+    peer_host,
 )
 from recover.proto import pb
 
@@ -100,3 +102,36 @@ def test_may_record_checkpoint(written, folder, committed, allowed, reason):
     verdict = may_record_checkpoint(written, folder, committed)
     assert (verdict.allowed, verdict.code) == (allowed, None if allowed else Reason.IMPLAUSIBLE)
     assert reason in verdict.reason
+
+
+@pytest.mark.parametrize(("peer", "host"), [
+    ("ipv4:10.0.0.5:51234", "10.0.0.5"),
+    ("ipv6:[::1]:5000", "::1"),
+    ("ipv6:[fd00::7]:6000", "fd00::7"),
+    ("unix:/tmp/agent.sock", None),
+    ("", None),
+])
+def test_the_peer_host_of_a_session(peer: str, host: str | None) -> None:
+    assert peer_host(peer) == host
+
+
+TRANSFER_ROWS = [  # addresses a newcomer names, its agent's session peer, allowed, reason
+    ("10.0.0.5:7000", "10.0.0.5", True, ""),
+    ("10.0.0.5:7000,10.0.0.5:7001", "10.0.0.5", True, ""),  # a sharded replica: one per rank
+    ("127.0.0.1:7000", "::1", True, ""),  # both this machine
+    ("10.0.0.9:7000", "10.0.0.5", False, "'10.0.0.9:7000' is not on the host of its agent's "
+                                         "session (10.0.0.5)"),
+    ("10.0.0.5:7000,10.0.0.9:7001", "10.0.0.5", False, "'10.0.0.9:7001' is not on the host"),
+    ("0.0.0.0:7", "127.0.0.1", False, "'0.0.0.0:7' is not on the host"),
+    ("203.0.113.7:7000", None, True, ""),  # no network peer (a Unix socket): nothing to check
+    ("", "10.0.0.5", True, ""),  # no address: no transfer
+]
+
+
+@pytest.mark.parametrize(("addresses", "peer", "allowed", "reason"), TRANSFER_ROWS)
+def test_a_newcomers_state_goes_only_to_its_agents_host(addresses, peer, allowed, reason) -> None:
+    verdict = may_name_transfer(addresses, peer, lambda h: h.startswith("127.") or h == "::1")
+    assert verdict.allowed is allowed
+    assert reason in verdict.reason
+    if not allowed:
+        assert verdict.code is Reason.FOREIGN_ADDRESS
