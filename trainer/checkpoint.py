@@ -68,6 +68,12 @@ class CheckpointWriter:
         self._last_at = time.monotonic()
         self._thread: threading.Thread | None = None
 
+    def due(self, next_step: int) -> bool:
+        """Whether the schedule writes the checkpoint of `next_step` (maybe_write's test)."""
+        return checkpoint_due(next_step, every_steps=self.config.every_steps,
+                              every_s=self.config.every_s, last_step=self._last_step,
+                              last_at=self._last_at, now=time.monotonic())
+
     def maybe_write(self, next_step: int, state: Callable[[], dict[str, Any]],
                     ledger: list[pb.StepRecord], force: bool = False) -> None:
         """`force`: the job stops after this step; write it whatever the schedule (after the

@@ -24,6 +24,7 @@ from recover.trainer.commits import CommitAction, judge_commit
 from recover.trainer.errors import call_user
 from recover.trainer.groups import CollectiveAborted, GroupSpec
 from recover.trainer.joinsteps import JoinSteps
+from recover.trainer.stepdigest import snapshot
 from recover.trainer.stepstate import ORPHAN_WAIT_S, StepState, TrainingEnded
 from recover.trainer.workload import StepInfo
 
@@ -50,6 +51,8 @@ class StepExecutor(JoinSteps):
                 if lockstep is not None and not lockstep.ranks.leads:
                     self._follow(lockstep.follow())
                     continue
+                if self._digests is not None:
+                    self._digests.deliver()  # the step digests hashed meanwhile, in order
                 command = self.channel.poll() if self._has_work() else \
                     self.channel.next_command(ORPHAN_WAIT_S)
                 if command is not None:
@@ -67,6 +70,8 @@ class StepExecutor(JoinSteps):
             return ended.shutdown
         finally:
             self._install_group(None)
+            if self._digests is not None:
+                self._digests.close()
 
     def _follow(self, command: pb.WorkerCommand | None) -> None:
         """Ranks 1.. of a replica make rank 0's move (replica.Lockstep): its command, or
@@ -268,20 +273,31 @@ class StepExecutor(JoinSteps):
         self.first_at_last_commit = first
         record = pb.StepRecord()
         record.CopyFrom(step.record)
-        if member:  # a joiner's record carries its donor's digest: the same bits
+        digests = self._digest_pipeline() if member and not final else None
+        if digests is not None:  # hashed on a thread while the next step computes
+            params, buffers = self.workload.digest_tensors()
+            digests.submit(step.step, record, commit_wait or 0.0, snapshot(params),
+                           snapshot(buffers))
+        elif member:  # a joiner's record carries its donor's digest: the same bits
+            self.settle_digests()  # the final step's report comes after every earlier one
             digest = self.workload.digest()
             record.param_sha256.append(pb.ReplicaDigest(replica=self.replica, param_sha256=digest))
             applied = pb.WorkerReport(applied=pb.Applied(
                 step=step.step, param_sha256=digest, commit_wait_s=commit_wait))
             if not final:
                 self.channel.send(applied)
+        if member:
             self.steps_applied += 1
         self.ledger.append(record)
         if member:
+            if self.donations:  # a joiner's catch-up step carries the members' digests
+                self.settle_digests()
             step.record.CopyFrom(record)
             self._feed_joiners(step, means)
         self.state = StepState(step=step.step + 1)
         if first and self.checkpoints is not None:
+            if final or checkpoint_now or self.checkpoints.due(step.step + 1):
+                self.settle_digests()  # the checkpoint's ledger holds this step's digest
             self.checkpoints.maybe_write(step.step + 1, lambda: self.training_state(False),
                                          self.ledger, force=checkpoint_now or final)
             if final:

@@ -32,6 +32,7 @@ from recover.trainer.hooks import StepHooks
 from recover.trainer.joining import Donation
 from recover.trainer.reduction import Accumulator
 from recover.trainer.replica import Lockstep
+from recover.trainer.stepdigest import BackgroundDigests
 from recover.trainer.stepstate import StepState
 from recover.trainer.transfer import Listener
 from recover.trainer.workload import Workload
@@ -70,6 +71,10 @@ class ExecutorBase(ABC):
         self.ledger: list[pb.StepRecord] = []
         """Every committed step's record, kept with the state: a checkpoint carries it."""
         self.checkpoints: CheckpointWriter | None = None
+        self.background_digests: bool | None = None
+        """Hash step digests on a thread (stepdigest.py): None decides by where the
+        parameters live (a GPU), True or False forces it (tests)."""
+        self._digests: BackgroundDigests | None = None
         self._admission: pb.GenerationView | None = None
         """A joiner's first generation, held until it has caught up to the view's step."""
         self._pending_join: pb.Join | None = None
@@ -123,6 +128,22 @@ class ExecutorBase(ABC):
             old.close()
 
     # ------------------------------------------------------------ the state
+
+    def _digest_pipeline(self) -> BackgroundDigests | None:
+        """The background step digests, made on the first step applied, when they apply."""
+        if self._digests is None and self.lockstep is None:
+            wanted = self.background_digests
+            if wanted is None:
+                wanted = any(p.is_cuda for p in self.workload.params)
+            if wanted:
+                self._digests = BackgroundDigests(self.replica, self.channel.send)
+        return self._digests
+
+    def settle_digests(self) -> None:
+        """Every step digest in its ledger record and reported (a snapshot or a checkpoint
+        of the ledger, or a joiner's catch-up step, is about to carry them)."""
+        if self._digests is not None:
+            self._digests.settle()
 
     def training_state(self, with_ledger: bool = True) -> dict[str, Any]:
         """Everything a joiner or a restore needs: the user's state, the exact-reduction

@@ -31,6 +31,7 @@ class JoinSteps(ExecutorBase):
         and stream it, then every step committed from now on, to the joiner."""
         if self.lockstep is not None:  # rank k of the donor streams to rank k of the joiner
             command = self._my_part(command)
+        self.settle_digests()  # the snapshot's ledger holds every applied step's digest
         snapshot = encode(self.training_state())
         self.donations = [d for d in self.donations if not d.done.is_set()]
         step = self.state.step

@@ -254,6 +254,12 @@ class Workload:
         if self.model_buffers is not None:
             self.model_buffers.restore()
 
+    def digest_tensors(self) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+        """What the step digest covers, named: the parameters, and the buffers in the
+        guarantee (as `digest` hashes them)."""
+        return (list(self.model.named_parameters()),
+                list(self.model_buffers.named()) if self.model_buffers else [])
+
     def digest(self) -> str:
         """The step digest: parameters, and the buffers in the guarantee (digest.model_digest)."""
         digest = model_digest(self.model, self.model_buffers.named() if self.model_buffers else ())

@@ -246,7 +246,8 @@ def replica_executor(replica: int, reduce: str, channel: FakeChannel, rendezvous
 def train(reduce: str = "exact", faults: tuple[pb.FaultSpec, ...] = (), hold: set[int] | None = None,
           crash_in_allreduce: tuple[int, int] | None = None,
           slowdowns: tuple[pb.SlowdownSpec, ...] = (), sleep: Any = None,
-          build: Callable[[], nn.Module] = mlp, buffers: str = "reduce") -> Run:
+          build: Callable[[], nn.Module] = mlp, buffers: str = "reduce",
+          background_digests: bool | None = None) -> Run:
     """Train STEPS steps with REPLICAS replica threads; returns when every thread ended."""
     controller = FakeController(list(range(REPLICAS)), hold=set(hold or ()))
     rendezvous = FakeRendezvous(timeout_s=SAFETY_S)
@@ -258,6 +259,7 @@ def train(reduce: str = "exact", faults: tuple[pb.FaultSpec, ...] = (), hold: se
         executors[replica] = replica_executor(replica, reduce, controller.channels[replica],
                                               rendezvous, list(faults), list(slowdowns), sleep,
                                               build, buffers)
+        executors[replica].background_digests = background_digests
 
     def life(executor: StepExecutor) -> None:
         try:
@@ -364,3 +366,20 @@ def test_a_slowed_replica_reports_its_sleep_as_compute_and_learns_the_same(basel
     assert len(slept) == 2 * per_step  # only replica 1, only steps 1 and 2
     for i, step in enumerate((1, 2)):
         assert run.controller.compute_s[(step, 1)] >= sum(slept[i * per_step:(i + 1) * per_step])
+
+
+@pytest.mark.parametrize("phase", ["forward", "commit"])
+def test_step_digests_hashed_on_a_thread_are_the_same_and_in_order(baseline: Run,
+                                                                     phase: str) -> None:
+    # What a GPU replica does (trainer/stepdigest.py), forced here on the CPU: each step's
+    # digest is hashed on a thread while the next step computes, and reported later. The
+    # reports are the synchronous ones, step by step, through a loss; none is missing.
+    run = train(faults=(kill(1, 1, phase),), hold={1} if phase == "commit" else None,
+                background_digests=True)
+    assert_survivors_match(run, baseline, lost=[1])
+    assert all(executor._digests is not None for r, executor in run.executors.items() if r != 1)
+    for replica in (0, 2):
+        ledger = run.executors[replica].ledger  # one record per step, each with its digest
+        assert len(ledger) == STEPS and [d.param_sha256 for r in ledger for d in r.param_sha256
+                if d.replica == replica] == [baseline.controller.digests[s][0]
+                                             for s in range(STEPS)]
