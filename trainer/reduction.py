@@ -187,10 +187,17 @@ class ExactAccumulator:
     def _rescale(self) -> None:
         for part, base in zip(self._parts, self._base_exponents, strict=True):
             # Multiplying by a power of two only shifts the exponent, so g * 2**e and
-            # its rounding are exact in the scale dtype.
-            pieces = [torch.full((n,), 2.0 ** e, dtype=part.scale_dtype)
-                      for n, e in zip(part.bucket.sizes, self._exponents_now(base), strict=True)]
-            part.scale = torch.cat(pieces).to(part.bucket.device)
+            # its rounding are exact in the scale dtype. Filled where the bucket lives:
+            # building it on the host and copying it over cost a bucket-sized transfer
+            # every step (a suspect of exact mode's 0.3 s per step at 50M parameters on a
+            # GPU), and a fill in place is also faster on the CPU than pieces and a cat.
+            scale = torch.empty(part.bucket.numel, dtype=part.scale_dtype,
+                                device=part.bucket.device)
+            offset = 0
+            for n, e in zip(part.bucket.sizes, self._exponents_now(base), strict=True):
+                scale[offset:offset + n].fill_(2.0 ** e)
+                offset += n
+            part.scale = scale
 
     def reset(self, scale_epoch: int = 0) -> None:
         if scale_epoch != self.scale_epoch:
@@ -263,7 +270,9 @@ class ExactAccumulator:
             exponents = []
             offset = 0
             for n, before in zip(part.bucket.sizes, previous, strict=True):
-                peak = float(mean[offset:offset + n].abs().max()) if n else 0.0
+                # |x| max as max(-min, max): one pass, no temporary |x| copy of the tensor.
+                low, high = torch.aminmax(mean[offset:offset + n]) if n else (0.0, 0.0)
+                peak = max(-float(low), float(high))
                 # A non-finite peak has no meaningful scale: keep the previous prediction.
                 exponents.append(self._exponent(peak) if math.isfinite(peak) else before)
                 offset += n
