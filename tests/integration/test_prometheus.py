@@ -126,8 +126,10 @@ def scrape_and_check(prom: Prometheus, job: subprocess.Popen[bytes], out: Path) 
     wait_for(prom.ready, 60, "Prometheus to be ready")
     wait_for(lambda: (prom.value("sum(recover_steps_committed_total)") or 0) >= 3, 180,
              "Prometheus to see training")
-    up = {r["metric"]["recover_process"]: r["value"][1] for r in prom.query("up")}
-    assert up == {"controller": "1", "host0": "1", "host1": "1"}, up
+    # Every process found by file discovery and scraped (each target's first scrape comes
+    # at its own offset within the interval: wait for it, however slow the machine).
+    wait_for(lambda: {r["metric"]["recover_process"]: r["value"][1] for r in prom.query("up")}
+             == {"controller": "1", "host0": "1", "host1": "1"}, 60, "every process scraped")
     address = f"127.0.0.1:{(out / 'controller.port').read_text()}"
 
     def events() -> list[dict[str, Any]]:
