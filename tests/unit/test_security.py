@@ -4,6 +4,7 @@ certificates, unusable settings named before anything starts."""
 from __future__ import annotations
 
 import datetime
+import queue
 from pathlib import Path
 
 import pytest
@@ -181,12 +182,19 @@ def test_only_a_serving_certificate_can_serve(tmp_path: Path, roles: list[Role],
     server.start()
     channel = grpc.secure_channel(f"localhost:{port}",
                                   grpc.ssl_channel_credentials((tmp_path / "ca.pem").read_bytes()))
+    # The first state the connection settles in: READY (the handshake passed) or
+    # TRANSIENT_FAILURE (the client refused the certificate), rather than a timeout.
+    settled: queue.SimpleQueue[grpc.ChannelConnectivity] = queue.SimpleQueue()
+
+    def watch(state: grpc.ChannelConnectivity) -> None:
+        if state in (grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.TRANSIENT_FAILURE):
+            settled.put(state)
+
+    channel.subscribe(watch, try_to_connect=True)
     try:
-        grpc.channel_ready_future(channel).result(timeout=5)
-        handshake = True
-    except grpc.FutureTimeoutError:
-        handshake = False
+        handshake = settled.get(timeout=30) is grpc.ChannelConnectivity.READY
     finally:
+        channel.unsubscribe(watch)
         channel.close()
         server.stop(None)
     assert handshake is serves
