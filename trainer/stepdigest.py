@@ -28,6 +28,10 @@ from recover.trainer.digest import tensor_digest
 
 Named = Sequence[tuple[str, torch.Tensor]]
 
+MAX_PENDING = 2
+"""Snapshots hashing or waiting at once: where steps outrun the hash, the step waits for
+the oldest rather than copies of the parameters piling up on the device."""
+
 
 def snapshot(named: Named) -> list[tuple[str, torch.Tensor]]:
     """Copies of the tensors as they are now, on their own device."""
@@ -62,18 +66,23 @@ class BackgroundDigests:
     def submit(self, step: int, record: pb.StepRecord, commit_wait_s: float,
                params: Named, buffers: Named) -> None:
         """Hash a snapshot (taken by the caller, now) of the state after `step`."""
+        while len(self._pending) >= MAX_PENDING:
+            self._deliver_oldest()
         future = self._pool.submit(snapshot_digest, params, buffers)
         self._pending.append(_Pending(step, future, record, commit_wait_s))
 
     def deliver(self, wait: bool = False) -> None:
         """Report the digests that are ready (all of them, with `wait`), oldest first."""
         while self._pending and (wait or self._pending[0].digest.done()):
-            done = self._pending.popleft()
-            digest = done.digest.result()
-            done.record.param_sha256.append(pb.ReplicaDigest(replica=self._replica,
-                                                             param_sha256=digest))
-            self._send(pb.WorkerReport(applied=pb.Applied(
-                step=done.step, param_sha256=digest, commit_wait_s=done.commit_wait_s)))
+            self._deliver_oldest()
+
+    def _deliver_oldest(self) -> None:
+        done = self._pending.popleft()
+        digest = done.digest.result()
+        done.record.param_sha256.append(pb.ReplicaDigest(replica=self._replica,
+                                                         param_sha256=digest))
+        self._send(pb.WorkerReport(applied=pb.Applied(
+            step=done.step, param_sha256=digest, commit_wait_s=done.commit_wait_s)))
 
     def settle(self) -> None:
         """Every digest submitted is in its record and reported."""

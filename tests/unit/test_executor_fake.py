@@ -383,3 +383,29 @@ def test_step_digests_hashed_on_a_thread_are_the_same_and_in_order(baseline: Run
         assert len(ledger) == STEPS and [d.param_sha256 for r in ledger for d in r.param_sha256
                 if d.replica == replica] == [baseline.controller.digests[s][0]
                                              for s in range(STEPS)]
+
+
+def test_background_digests_never_hold_more_than_two_snapshots() -> None:
+    # Steps that outrun the hash wait for the oldest digest instead of piling up copies of
+    # the parameters on the device.
+    from recover.trainer import stepdigest
+
+    sent: list[pb.WorkerReport] = []
+    release = threading.Event()
+    digests = stepdigest.BackgroundDigests(0, sent.append)
+    blocked = digests._pool.submit(release.wait)  # the hashing thread is busy
+    records = [pb.StepRecord(step=s) for s in range(3)]
+    tensors = [("w", torch.ones(2))]
+    digests.submit(0, records[0], 0.0, tensors, [])
+    digests.submit(1, records[1], 0.0, tensors, [])
+    waiter = threading.Thread(target=digests.submit, args=(2, records[2], 0.0, tensors, []))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive() and sent == []  # the third waits for room
+    release.set()
+    waiter.join(SAFETY_S)
+    blocked.result()
+    digests.settle()
+    assert [r.applied.step for r in sent] == [0, 1, 2]
+    assert all(len(r.param_sha256) == 1 for r in records)
+    digests.close()
