@@ -63,8 +63,9 @@ def replica_request(d: Draft, agent_id: str, request: pb.ReplicaRequest) -> None
         agent_id, request.slot, agent_alive=agent is not None and agent.alive,
         job_id=v.job.job_id, job_state=v.state,
         taking_over=v.takeover is not None, capacity=capacity(d))
-    if agent is not None and admission.waiting_slots:
-        d.change_agent(agent_id, waiting=(*agent.waiting, *admission.waiting_slots))
+    new_waiting = [s for s in admission.waiting_slots if agent and s not in agent.waiting]
+    if agent is not None and new_waiting:
+        d.change_agent(agent_id, waiting=(*agent.waiting, *new_waiting))
         agent_record(d, agent_id)
     if agent is None or not admission.replica_ids:
         d.send(agent_id, pb.ControllerMessage(replica_assigned=pb.ReplicaAssigned(
