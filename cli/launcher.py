@@ -332,7 +332,7 @@ def _draw_plot(out: Path) -> None:
 
     try:
         print(f"plot: {plot([str(out)], str(out / 'plot.png'), x='time')}")
-    except UsageError as exc:
+    except Exception as exc:  # noqa: BLE001 - the picture is optional, the result is not
         print(f"recover run: no plot.png: {exc}", file=sys.stderr)
 
 
