@@ -13,6 +13,8 @@ import recover.trainer as rt
 parser = argparse.ArgumentParser()
 parser.add_argument("--hidden", type=int, default=32)
 parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+parser.add_argument("--loader-workers", type=int, default=0,
+                    help="load the planned microbatches ahead in this many processes")
 args = parser.parse_args()
 dtype = getattr(torch, args.dtype)
 
@@ -41,7 +43,8 @@ def log(info: rt.StepInfo) -> None:
 
 
 result = rt.train(job, model, optimizer,
-                  microbatches=rt.DatasetMicrobatches(dataset, microbatch_size=16),
+                  microbatches=rt.DatasetMicrobatches(dataset, microbatch_size=16,
+                                                      num_workers=args.loader_workers),
                   loss_fn=loss_fn, lr_scheduler=schedule, max_grad_norm=1.0,
                   on_step_committed=log)
 raise SystemExit(0 if result.success else 1)

@@ -15,7 +15,9 @@ and the gradients zeroed, so the trajectory is the same with or without it.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -51,9 +53,45 @@ def _gradients(workload: Workload, grads: GradientBuckets, step: int,
     return [bucket.flat.clone() for bucket in [*grads.buckets, *buffers]]
 
 
+def batch_digest(batch: Any) -> str:
+    """A digest of a batch however it nests tensors (lists, tuples, dicts) and other values
+    (their repr): two loads of one microbatch must give the same."""
+    h = hashlib.sha256()
+
+    def walk(value: Any, path: str) -> None:
+        if isinstance(value, torch.Tensor):
+            h.update(tensor_digest([(path, value)]).encode())
+        elif isinstance(value, dict):
+            for key in value:
+                walk(value[key], f"{path}[{key!r}]")
+        elif isinstance(value, list | tuple):
+            for index, item in enumerate(value):
+                walk(item, f"{path}[{index}]")
+        else:
+            h.update(f"{path}={value!r}".encode())
+
+    walk(batch, "batch")
+    return h.hexdigest()
+
+
+def check_batch(workload: Workload, step: int = 0, microbatch: int = 0) -> None:
+    """Load one microbatch's batch twice (past any prefetching) and compare: a source
+    that is not a pure function of (step, microbatch) fails in one line naming it."""
+    source = workload.source
+    load = getattr(source, "load", source.batch)
+    if batch_digest(load(step, microbatch)) != batch_digest(load(step, microbatch)):
+        raise contract_error(
+            f"determinism check failed: the batch of microbatch {microbatch} of step {step} "
+            "differed between two loads; the microbatch source must return the same batch for "
+            "the same (step, microbatch) (a random transform needs a generator seeded from "
+            "them)", where="determinism check", step=step, microbatch=microbatch)
+
+
 def check_determinism(workload: Workload, grads: GradientBuckets, step: int = 0,
                       microbatch: int = 0) -> DeterminismCheck:
-    """Raise a WorkloadError naming the first differing parameter; else the gradient digest."""
+    """Raise a WorkloadError naming the first differing parameter (or the batch, when two
+    loads of it differ); else the gradient digest."""
+    check_batch(workload, step, microbatch)
     # Forward may update buffers (batch norm statistics, non-persistent caches too):
     # every parameter and buffer is kept aside, on the CPU, and put back bit for bit.
     tensors = [*workload.model.parameters(), *workload.model.buffers()]

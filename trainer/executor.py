@@ -72,6 +72,9 @@ class StepExecutor(JoinSteps):
             self._install_group(None)
             if self._digests is not None:
                 self._digests.close()
+            close_source = getattr(self.workload.source, "close", None)
+            if close_source is not None:
+                close_source()
 
     def _follow(self, command: pb.WorkerCommand | None) -> None:
         """Ranks 1.. of a replica make rank 0's move (replica.Lockstep): its command, or
@@ -174,6 +177,10 @@ class StepExecutor(JoinSteps):
         # Done first, in order, so `assigned[len(done):]` is exactly what is left.
         s.assigned = s.done + [mb for mb in mine if mb not in s.done]
         s.planned = True
+        load_ahead = getattr(self.workload.source, "plan", None)
+        if load_ahead is not None:  # a source that loads ahead learns what comes next
+            load_ahead([(s.step, mb) for mb in s.assigned[len(s.done):]]
+                       + [(s.step + 1, mb) for mb in s.assigned])  # the next plan repeats, often
         if not s.original:
             s.original = set(mine)
 

@@ -15,6 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from torch.utils.data import default_collate
 
+from recover.trainer.prefetch import Prefetcher
 from recover.trainer.sampling import EpochSampler
 
 
@@ -74,20 +75,27 @@ class DatasetMicrobatches:
     DataLoader protocol has it); ``collate_fn`` turns a list of samples into a
     batch (torch's ``default_collate`` by default); ``seed`` overrides the job's
     seed for the shuffle; ``shuffle=False`` walks the dataset in order (for data
-    that is already shuffled on disk).
+    that is already shuffled on disk). ``num_workers=K`` loads the batches of the
+    microbatches this replica is planned to compute ahead, ``prefetch`` of them at a time,
+    in K forked processes (trainer/prefetch.py); the batches are the same.
     """
 
     def __init__(self, dataset: Any, microbatch_size: int, *,
                  collate_fn: Callable[[list[Any]], Any] | None = None, shuffle: bool = True,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, num_workers: int = 0, prefetch: int = 4) -> None:
         if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
             raise TypeError(f"DatasetMicrobatches needs a map-style dataset (len() and "
                             f"dataset[i]), got {type(dataset).__name__}")
         if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int) \
                 or microbatch_size < 1:
             raise ValueError(f"microbatch_size must be a whole number >= 1, got {microbatch_size!r}")
+        for name, value, least in (("num_workers", num_workers, 0), ("prefetch", prefetch, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be a whole number >= {least}, got {value!r}")
         self.dataset = dataset
         self.microbatch_size = microbatch_size
+        self.prefetcher = Prefetcher(self._fetch, self.sample_ids, num_workers, prefetch) \
+            if num_workers else None
         self.collate_fn = collate_fn or default_collate
         self.shuffle = shuffle
         self.seed = seed
@@ -104,12 +112,30 @@ class DatasetMicrobatches:
         return self.sampler
 
     def batch(self, step: int, microbatch: int) -> Any:
-        ids = self.sample_ids(step, microbatch)
+        if self.prefetcher is not None:
+            return self.prefetcher.batch(step, microbatch)
+        return self._fetch(self.sample_ids(step, microbatch))
+
+    def load(self, step: int, microbatch: int) -> Any:
+        """The batch, loaded here and now (what the determinism check compares)."""
+        return self._fetch(self.sample_ids(step, microbatch))
+
+    def _fetch(self, ids: list[int]) -> Any:
         # torch's batched-fetch protocol (DataLoader uses it too): one call for the
         # microbatch instead of one per sample, where the dataset offers it.
         fetch_many = getattr(self.dataset, "__getitems__", None)
         samples = fetch_many(ids) if fetch_many is not None else [self.dataset[i] for i in ids]
         return self.collate_fn(samples)
+
+    def plan(self, keys: Sequence[tuple[int, int]]) -> None:
+        """The (step, microbatch) this replica is planned to compute, in order (the trainer
+        says so at each plan): loaded ahead with `num_workers`, ignored without."""
+        if self.prefetcher is not None:
+            self.prefetcher.plan(keys)
+
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
 
     def sample_ids(self, step: int, microbatch: int) -> list[int]:
         return self._sampler().sample_ids(step, microbatch)

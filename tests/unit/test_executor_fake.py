@@ -15,6 +15,7 @@ and their timeouts are only safety nets.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -225,11 +226,12 @@ def mlp() -> nn.Module:
 def replica_executor(replica: int, reduce: str, channel: FakeChannel, rendezvous: FakeRendezvous,
                      faults: list[pb.FaultSpec], slowdowns: list[pb.SlowdownSpec],
                      sleep: Any, build: Callable[[], nn.Module] = mlp,
-                     buffers: str = "reduce") -> StepExecutor:
+                     buffers: str = "reduce", source_of: Callable[[], Any] | None = None
+                     ) -> StepExecutor:
     torch.manual_seed(SEED)  # every replica builds the same model (on the test's thread)
     model = build()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    source = FunctionMicrobatches(data)
+    source = source_of() if source_of is not None else FunctionMicrobatches(data)
     source.bind(M, SEED)
     workload = Workload(model=model, optimizer=optimizer, source=source, seed=SEED, loss_fn=mse,
                         buffers=buffers)
@@ -247,7 +249,8 @@ def train(reduce: str = "exact", faults: tuple[pb.FaultSpec, ...] = (), hold: se
           crash_in_allreduce: tuple[int, int] | None = None,
           slowdowns: tuple[pb.SlowdownSpec, ...] = (), sleep: Any = None,
           build: Callable[[], nn.Module] = mlp, buffers: str = "reduce",
-          background_digests: bool | None = None) -> Run:
+          background_digests: bool | None = None,
+          source_of: Callable[[], Any] | None = None) -> Run:
     """Train STEPS steps with REPLICAS replica threads; returns when every thread ended."""
     controller = FakeController(list(range(REPLICAS)), hold=set(hold or ()))
     rendezvous = FakeRendezvous(timeout_s=SAFETY_S)
@@ -258,7 +261,7 @@ def train(reduce: str = "exact", faults: tuple[pb.FaultSpec, ...] = (), hold: se
         controller.channels[replica] = FakeChannel(replica, controller.events)
         executors[replica] = replica_executor(replica, reduce, controller.channels[replica],
                                               rendezvous, list(faults), list(slowdowns), sleep,
-                                              build, buffers)
+                                              build, buffers, source_of)
         executors[replica].background_digests = background_digests
 
     def life(executor: StepExecutor) -> None:
@@ -409,3 +412,26 @@ def test_background_digests_never_hold_more_than_two_snapshots() -> None:
     assert [r.applied.step for r in sent] == [0, 1, 2]
     assert all(len(r.param_sha256) == 1 for r in records)
     digests.close()
+
+
+def samples(workers: int) -> Any:
+    """A dataset source (4 samples per microbatch), loading ahead with `workers` processes."""
+    from torch.utils.data import TensorDataset
+
+    from recover.trainer.sources import DatasetMicrobatches
+
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(3))
+    return DatasetMicrobatches(TensorDataset(x, x.sum(1, keepdim=True).sin()), 4,
+                               num_workers=workers, prefetch=3)
+
+
+def test_batches_loaded_ahead_train_the_same_through_a_loss() -> None:
+    # Each replica's planned microbatches are loaded by its worker processes; a loss moves
+    # microbatches (dropping what was loaded for them); the survivors end bitwise where
+    # replicas loading in line do.
+    inline = train(source_of=lambda: samples(0))
+    ahead = train(faults=(kill(1, 1, "forward"),), source_of=lambda: samples(2))
+    assert_survivors_match(ahead, inline, lost=[1])
+    loaders = {pid for r in (0, 2)
+               for _, pid in ahead.executors[r].workload.source.prefetcher.loaded_by}
+    assert loaders - {os.getpid()}, "no batch came from a worker process"
