@@ -14,7 +14,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--hidden", type=int, default=32)
 parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
 parser.add_argument("--loader-workers", type=int, default=0,
-                    help="load the planned microbatches ahead in this many processes")
+                    help="load the planned microbatches ahead on this many threads")
 args = parser.parse_args()
 dtype = getattr(torch, args.dtype)
 

@@ -77,7 +77,7 @@ class DatasetMicrobatches:
     seed for the shuffle; ``shuffle=False`` walks the dataset in order (for data
     that is already shuffled on disk). ``num_workers=K`` loads the batches of the
     microbatches this replica is planned to compute ahead, ``prefetch`` of them at a time,
-    in K forked processes (trainer/prefetch.py); the batches are the same.
+    on K loader threads (trainer/prefetch.py); the batches are the same.
     """
 
     def __init__(self, dataset: Any, microbatch_size: int, *,

@@ -1,6 +1,6 @@
 """Prefetch vs synchronous loading, side by side in one run: `recover run` of
 bench/scripts/prefetch_job.py (16 samples per microbatch, 5 ms to produce each) with
-batches loaded in line and with 2 loader processes, alternating, several rounds.
+batches loaded in line and on 2 loader threads, alternating, several rounds.
 
     python bench/scripts/prefetch.py --rounds 3 --out bench/results/prefetch
 """
@@ -30,9 +30,9 @@ def main() -> None:
     parser.add_argument("--decode-ms", type=float, default=5.0)
     args = parser.parse_args()
     out = Path(args.out)
-    results: dict[str, list[float]] = {"in line": [], "2 loader processes": []}
+    results: dict[str, list[float]] = {"in line": [], "2 loader threads": []}
     for round_ in range(args.rounds):
-        for label, workers in (("in line", 0), ("2 loader processes", 2)):
+        for label, workers in (("in line", 0), ("2 loader threads", 2)):
             run = out / f"r{round_}-w{workers}"
             done = subprocess.run(
                 [sys.executable, "-m", "recover.cli.main", "run", "--out", str(run), "--quiet",
@@ -45,9 +45,9 @@ def main() -> None:
             print(f"round {round_}: {label}: {results[label][-1] * 1000:.0f} ms/step", flush=True)
     summary = {label: statistics.median(times) for label, times in results.items()}
     ideal = 2 * 16 * args.decode_ms / 1000  # one replica's two microbatches' decoding
-    print(f"median step: in line {summary['in line'] * 1000:.0f} ms, 2 loader processes "
-          f"{summary['2 loader processes'] * 1000:.0f} ms, ratio "
-          f"{summary['in line'] / summary['2 loader processes']:.2f}x "
+    print(f"median step: in line {summary['in line'] * 1000:.0f} ms, 2 loader threads "
+          f"{summary['2 loader threads'] * 1000:.0f} ms, ratio "
+          f"{summary['in line'] / summary['2 loader threads']:.2f}x "
           f"(decoding alone, in line: {ideal * 1000:.0f} ms per step)")
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"rounds": results, "median_s": summary},

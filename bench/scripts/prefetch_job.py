@@ -1,6 +1,6 @@
 """The prefetch benchmark's training script: the minimal example's MLP over a dataset
 whose every sample costs `--decode-ms` to produce (decoding, reading: time the trainer's
-process would otherwise wait for), loaded in line or ahead by `--loader-workers` processes.
+process would otherwise wait for), loaded in line or ahead by `--loader-workers` threads.
 Run by bench/scripts/prefetch.py."""
 
 import argparse
