@@ -33,10 +33,10 @@ def parameter_digest(model: torch.nn.Module) -> str:
     return tensor_digest(model.named_parameters())
 
 
-def model_digest(model: torch.nn.Module,
-                 buffers: Sequence[tuple[str, torch.Tensor]] = ()) -> str:
-    """The step digest: the parameter digest, then ``+`` and the digest of the buffers in the
-    guarantee when there are any. A model without them keeps exactly its parameter digest;
-    one with them gets two parts, so `recover verify` can say which of the two differs."""
-    params = parameter_digest(model)
-    return f"{params}+{tensor_digest(buffers)}" if buffers else params
+def step_digest(params: Iterable[tuple[str, torch.Tensor]],
+                buffers: Sequence[tuple[str, torch.Tensor]] = ()) -> str:
+    """The step digest: the parameters' digest, then ``+`` and the digest of the buffers in
+    the guarantee when there are any. A model without them keeps exactly its parameter
+    digest; one with them gets two parts, so `recover verify` can say which differs."""
+    digest = tensor_digest(params)
+    return f"{digest}+{tensor_digest(buffers)}" if buffers else digest

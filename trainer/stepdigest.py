@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from recover.proto import pb
-from recover.trainer.digest import tensor_digest
+from recover.trainer.digest import step_digest
 
 Named = Sequence[tuple[str, torch.Tensor]]
 
@@ -36,13 +36,6 @@ the oldest rather than copies of the parameters piling up on the device."""
 def snapshot(named: Named) -> list[tuple[str, torch.Tensor]]:
     """Copies of the tensors as they are now, on their own device."""
     return [(name, tensor.detach().clone()) for name, tensor in named]
-
-
-def snapshot_digest(params: Named, buffers: Named) -> str:
-    """digest.model_digest of a snapshot: the parameters' digest, then `+` and the
-    buffers' when there are any."""
-    digest = tensor_digest(params)
-    return f"{digest}+{tensor_digest(buffers)}" if buffers else digest
 
 
 @dataclass
@@ -68,7 +61,7 @@ class BackgroundDigests:
         """Hash a snapshot (taken by the caller, now) of the state after `step`."""
         while len(self._pending) >= MAX_PENDING:
             self._deliver_oldest()
-        future = self._pool.submit(snapshot_digest, params, buffers)
+        future = self._pool.submit(step_digest, params, buffers)
         self._pending.append(_Pending(step, future, record, commit_wait_s))
 
     def deliver(self, wait: bool = False) -> None:

@@ -15,7 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from recover.trainer.buffers import ModelBuffers, model_buffers
-from recover.trainer.digest import model_digest
+from recover.trainer.digest import step_digest
 from recover.trainer.errors import call_user, contract_error
 from recover.trainer.gradients import GradientBuckets
 from recover.trainer.sampling import microbatch_seed
@@ -261,8 +261,8 @@ class Workload:
                 list(self.model_buffers.named()) if self.model_buffers else [])
 
     def digest(self) -> str:
-        """The step digest: parameters, and the buffers in the guarantee (digest.model_digest)."""
-        digest = model_digest(self.model, self.model_buffers.named() if self.model_buffers else ())
+        """The step digest: parameters, and the buffers in the guarantee (digest.step_digest)."""
+        digest = step_digest(*self.digest_tensors())
         return self.combine_digest(digest) if self.combine_digest is not None else digest
 
     # ------------------------------------------------------------ state for joins and restores
