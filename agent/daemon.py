@@ -374,7 +374,9 @@ class Agent:
         """Forward one controller message to the workers; True when the job is over."""
         kind = message.WhichOneof("kind") or ""
         generation = (message.generation.generation if kind == "generation"
-                      else message.commit.generation if kind == "commit" else 0)
+                      else message.commit.generation if kind == "commit"
+                      else message.share.generation if kind == "share"
+                      else message.release.generation if kind == "release" else 0)
         verdict = fencing.judge(kind, message.term, generation, self.term, self.generation)
         if not verdict.accept:
             self.fenced_commands += 1
@@ -400,6 +402,10 @@ class Agent:
             self._forward(pb.WorkerCommand(donate=message.donate), [message.donate.donor])
         elif kind == "join":
             self._forward(pb.WorkerCommand(join=message.join), [message.join.joiner])
+        elif kind == "share":
+            self._forward(pb.WorkerCommand(share=message.share), [message.share.replica])
+        elif kind == "release":
+            self._forward(pb.WorkerCommand(release=message.release), [message.release.replica])
         elif kind == "replica_assigned":
             assigned = message.replica_assigned
             if assigned.refused and assigned.retryable:

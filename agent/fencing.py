@@ -20,15 +20,16 @@ def judge(kind: str, term: int, generation: int, highest_term: int,
           agent_generation: int) -> Verdict:
     """Should the agent act on a `kind` command of (`term`, `generation`)?
 
-    `kind`: generation | commit | shutdown | registered.
+    `kind`: generation | commit | shutdown | registered | share | release (the last two,
+    work-stealing's, change the step in flight of one generation: fenced like a commit).
     """
     if term < highest_term:
         return Verdict(False, f"{kind} from term {term}, older than term {highest_term} "
                               "(a deposed leader)")
     if kind == "generation" and generation <= agent_generation:
         return Verdict(False, f"generation {generation} is not newer than {agent_generation}")
-    if kind == "commit" and generation != agent_generation:
-        return Verdict(False, f"commit of generation {generation}, this agent is in "
+    if kind in ("commit", "share", "release") and generation != agent_generation:
+        return Verdict(False, f"{kind} of generation {generation}, this agent is in "
                               f"generation {agent_generation}")
     return Verdict(True, f"{kind} of term {term}")
 

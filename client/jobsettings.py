@@ -292,6 +292,9 @@ SETTINGS: tuple[Setting, ...] = (
                  "replica's microbatches recomputed by the survivors (default); proportional "
                  "= quotas by measured speed; drop = the step goes on without a lost "
                  "replica's microbatches (ablation)"),
+    Setting("--work-stealing", "work_stealing", action="store_true", default=False,
+            help="inside a step, a replica that has finished its microbatches takes some that "
+                 "a slower one has not started (with any --policy; see the README)"),
     Setting("--hang-timeout", "hang_timeout_s", type=float, default=2.0,
             help="watchdog: seconds without a liveness beat, and the least time one microbatch "
                  "may take, before a worker is killed as hung (default 2)",

@@ -94,7 +94,7 @@ def may_call(method: str, identity: Identity) -> Verdict:
 
 
 REPLICA_MESSAGES = ("worker_exited", "ready", "resumed", "reduced", "applied", "join_progress",
-                    "join_failed", "checkpoint_written")
+                    "join_failed", "checkpoint_written", "progress", "released")
 """Messages about one replica: only its own agent may send them."""
 
 

@@ -43,6 +43,7 @@ def commit(d: Draft, reported: list[pb.Reduced]) -> None:
     record = step_record(job, v.step, v.generation, members, reported, d.now,
                          loss=verdict.loss)
     record.failures.extend(d.facts.unrecorded_failures)
+    record.stolen = v.stolen
     next_step = v.step + 1
     final = next_step >= job.steps
     stop = bool(v.stopping) and not final
@@ -54,14 +55,14 @@ def commit(d: Draft, reported: list[pb.Reduced]) -> None:
     decision = None if final or stop or entering or leaving else \
         d.policy.plan(members, job.global_microbatches)
     next_plan = None if decision is None else \
-        plan_message(next_step, v.generation, 0, decision)
+        plan_message(next_step, v.generation, 0, decision, open_shares=job.work_stealing)
     # Durable before anyone applies: a new leader must know this step committed. The
     # previous record rides along in the same write with the parameter digests its
     # members reported since (no extra round trip per step).
     d.do(effects.CommitStep(record, next_plan))
     d.ledger_len += 1
     d.applied_last = set()
-    d.set(step=next_step, scale_epoch=0)
+    d.set(step=next_step, scale_epoch=0, plan_version=0, stolen=0)
     commit_msg = pb.Commit(step=v.step, generation=v.generation, final=final,
                            microbatches=record.microbatches, tokens=record.tokens,
                            record=record)

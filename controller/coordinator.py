@@ -32,6 +32,7 @@ from recover.controller import (
     operations,
     policy,
     reports,
+    stealflow,
     takeover,
 )
 from recover.controller.events import EventLog
@@ -108,6 +109,8 @@ class Coordinator:
         """Each replica's seconds per microbatch, from its reports (quota policies use it)."""
         self._speeds: Speeds | None = None
         """The last snapshot of `throughput` (it changes only when a step commits)."""
+        self.steals = stealflow.StealBook()
+        """Work-stealing: what the members of the step in flight reported of their progress."""
 
     # ------------------------------------------------------------ the view, read-only
 
@@ -226,6 +229,7 @@ class Coordinator:
                 self._progress = StepProgress()
                 self.recovery.generation_started()
                 await self.records.save_view(view, self.events.take_pending())
+                self.steals.begin(self.view, self._clock(), self.speeds())
             case effects.CommitStep(record, next_plan):
                 before_store = self._clock()
                 await self.records.commit_step(record, self.steps[-1] if self.steps else None,
@@ -234,6 +238,10 @@ class Coordinator:
                 self.steps.append(record)
                 self._failures_in_ledger += len(record.failures)
                 self._progress.reduced.clear()
+                self.steals.begin(self.view if next_plan is not None else None, self._clock(),
+                                  self.speeds())
+            case effects.SavePlan(plan):
+                await self.records.save_plan(plan)
             case effects.SaveLastStep():
                 await self.records.save_step(self.steps[-1])
             case effects.End():
@@ -381,6 +389,25 @@ class Coordinator:
             reported = [self._progress.reduced[m] for m in v.members]
             self._measure(reported)
             await self._run(commits.commit, reported)
+
+    async def progress(self, replica: int, msg: pb.Progress) -> None:
+        if replica in self.view.members and self.steals.progress(replica, msg, self._clock()):
+            self._steer()
+
+    async def released(self, replica: int, msg: pb.Released) -> None:
+        settled = self.steals.released(replica, msg, self._clock())
+        if settled is None:
+            self.stale_reports += 1
+            return
+        if settled.microbatch_ids:
+            await self._run(stealflow.hand_over, settled)
+        self._steer()
+
+    def _steer(self) -> None:
+        moves = self.steals.decide(self._clock())
+        if moves.releases or moves.close:
+            shares = {m: member.share for m, member in self.steals.members.items()}
+            self._run_now(stealflow.steer, moves, shares)
 
     def _measure(self, reported: list[pb.Reduced]) -> None:
         """Each member's speed in the step about to commit (its microbatches and compute time

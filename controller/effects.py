@@ -87,6 +87,13 @@ class CommitStep:
 
 
 @dataclass(frozen=True)
+class SavePlan:
+    """Work-stealing changed the plan of the step in flight: stored before the taker hears."""
+
+    plan: pb.Plan
+
+
+@dataclass(frozen=True)
 class SaveLastStep:
     """The last record again, with every member's parameter digest."""
 

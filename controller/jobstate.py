@@ -45,11 +45,13 @@ def sample_digest(sample_ids: Iterable[int]) -> str:
     return hashlib.sha256(struct.pack(f"<{len(ids)}q", *ids)).hexdigest()
 
 
-def plan_message(step: int, generation: int, scale_epoch: int,
-                 decision: PlanDecision) -> pb.Plan:
+def plan_message(step: int, generation: int, scale_epoch: int, decision: PlanDecision, *,
+                 open_shares: bool = False, version: int = 0) -> pb.Plan:
+    """`open_shares`: work-stealing may still move microbatches (pb.Plan.open)."""
     return pb.Plan(step=step, generation=generation, reason=decision.reason, scale_epoch=scale_epoch,
                    assignments=[pb.Assignment(replica=r, microbatch_ids=ids)
-                                for r, ids in decision.assignment.items()])
+                                for r, ids in decision.assignment.items()],
+                   open=open_shares, version=version)
 
 
 def step_record(job: pb.JobConfig, step: int, generation: int, members: list[int],

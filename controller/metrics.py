@@ -15,6 +15,8 @@ walks the coordinator's state. Names (all prefixed `recover_`):
 | `recover_tokens_per_second` | gauge | tokens/s over the last 10 committed steps |
 | `recover_microbatches_planned` | gauge, by replica | microbatches per replica in the current plan (quota) |
 | `recover_microbatch_seconds` | gauge, by replica | measured seconds per microbatch (median of 5 steps) |
+| `recover_steals_total` | counter | work-stealing: steals that moved microbatches |
+| `recover_microbatches_stolen_total` | counter | work-stealing: microbatches they moved |
 | `recover_failures_total` | counter, by cause | replica failures (injected, external, watchdog, agent-lost) |
 | `recover_recoveries_total` | counter | generations made to recover from failures |
 | `recover_recovery_seconds` | histogram, by phase | detect, plan, rebuild, recompute, commit |
@@ -96,6 +98,11 @@ class ControllerCollector(Collector):
         for replica, seconds in c.speeds().items():
             speeds.add_metric([str(replica)], seconds)
         yield speeds
+        yield CounterMetricFamily("recover_steals", "Work-stealing: steals that moved microbatches",
+                                  value=c.steals.steals)
+        yield CounterMetricFamily("recover_microbatches_stolen",
+                                  "Work-stealing: microbatches moved between members in a step",
+                                  value=c.steals.stolen)
         failures = CounterMetricFamily("recover_failures", "Replica failures by cause",
                                        labels=["cause"])
         for cause, count in sorted(Counter(f.cause for f in c.failures).items()):

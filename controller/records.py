@@ -129,8 +129,13 @@ class PersistedJob:
         none, because the commit before it went out without one: joiners or drains were
         to change the membership, and the generation that would have planned it was never
         written)."""
-        view = self.view
+        view, stored = self.view, self.plan
         if view is not None and view.plan.step == step:
+            if (stored is not None and stored.step == step
+                    and stored.generation == view.generation
+                    and stored.version > view.plan.version):
+                return stored, (f"generation {view.generation}'s plan of step {step} after "
+                                f"{stored.version} steal{'s' if stored.version > 1 else ''}")
             return view.plan, f"generation {view.generation}'s plan of step {step}"
         if self.plan is not None and self.plan.step == step:
             return self.plan, f"the plan of step {step} stored with the last commit"
@@ -216,6 +221,10 @@ class Records:
         if next_plan is not None:
             writes.append((self.keys.plan, next_plan.SerializeToString()))
         await self.put_many(writes)
+
+    async def save_plan(self, plan: pb.Plan) -> None:
+        """The step in flight's plan as a steal changed it (work-stealing)."""
+        await self.put(self.keys.plan, plan.SerializeToString())
 
     async def save_step(self, record: pb.StepRecord) -> None:
         """A committed step's record again (with the parameter digests reported since)."""

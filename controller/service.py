@@ -231,6 +231,10 @@ class AgentSessions(rpc.AgentSessionServicer):
                     await coordinator.applied(report.replica, report.applied)
                 elif which == "resumed":
                     await coordinator.resumed(report.replica, report.resumed)
+                elif which == "progress":
+                    await coordinator.progress(report.replica, report.progress)
+                elif which == "released":
+                    await coordinator.released(report.replica, report.released)
                 elif which == "ready":
                     named = authz.may_name_transfer(report.ready.transfer_address, peer,
                                                     is_loopback)

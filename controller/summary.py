@@ -108,6 +108,9 @@ def build_summary(report: pb.RunReport, wall_s: float) -> dict[str, Any]:
         # took over in a recovery).
         "microbatches_by_replica_per_step": [
             {str(load.replica): load.microbatches for load in record.loads} for record in steps],
+        # Per step: microbatches work-stealing moved between members (--work-stealing).
+        "stolen_per_step": [record.stolen for record in steps],
+        "work_stealing": report.job.work_stealing,
         "commit_wait_s_per_step": [round(record.commit_wait_s, 5) for record in steps],
         "param_sha256_per_step": [agreed_digest(record) for record in steps],
         "param_sha256_by_replica_per_step": per_replica,

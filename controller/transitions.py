@@ -27,13 +27,15 @@ def broadcast(d: Draft, message: pb.ControllerMessage) -> None:
 def new_generation(d: Draft, members: list[int], decision: PlanDecision) -> None:
     v = d.v
     generation = v.generation + 1
-    d.set(generation=generation, members=tuple(members), plan=decision.assignment)
+    d.set(generation=generation, members=tuple(members), plan=decision.assignment,
+          plan_version=0)
     for m in members:
         if d.v.replicas[m].alive and d.v.replicas[m].state is not ReplicaState.MEMBER:
             d.change_replica(m, state=ReplicaState.MEMBER)
     view = pb.GenerationView(
         generation=generation, members=members, rendezvous=d.facts.rendezvous,
-        plan=plan_message(v.step, generation, v.scale_epoch, decision),
+        plan=plan_message(v.step, generation, v.scale_epoch, decision,
+                          open_shares=v.job.work_stealing),
         rendezvous_prefix=d.facts.token())
     # The failures and events that led here ride along with the view's write: a leader
     # deposed right after must not take them with it (its successor's summary reports them).

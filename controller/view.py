@@ -136,6 +136,10 @@ class JobView:
     """Who computes which microbatches of `step` (the plan the workers hold)."""
     scale_epoch: int = 0
     """Exact reduction: overflow redos of the current step so far."""
+    plan_version: int = 0
+    """Work-stealing: steals that changed `plan` since its generation or commit made it."""
+    stolen: int = 0
+    """Work-stealing: microbatches moved between members in the step in flight."""
     joins: Mapping[int, Join] = field(default_factory=_empty)
     """Replicas joining the running job (restarts, replacement hosts, hot spares)."""
     takeover: TakeoverWait | None = None

@@ -53,7 +53,7 @@ class TestingConfig(_message.Message):
     def __init__(self, faults: _Optional[_Iterable[_Union[FaultSpec, _Mapping]]] = ..., compute_ms: _Optional[float] = ..., slowdowns: _Optional[_Iterable[_Union[SlowdownSpec, _Mapping]]] = ...) -> None: ...
 
 class JobConfig(_message.Message):
-    __slots__ = ("job_id", "replicas", "steps", "global_microbatches", "seed", "reduce", "group_timeout_s", "policy", "hang_timeout_s", "hang_factor", "first_microbatch_grace_s", "workload", "testing", "reduce_dtype", "check_determinism", "record_sample_ids", "min_replicas", "spares", "checkpoint", "resume", "ranks_per_replica")
+    __slots__ = ("job_id", "replicas", "steps", "global_microbatches", "seed", "reduce", "group_timeout_s", "policy", "hang_timeout_s", "hang_factor", "first_microbatch_grace_s", "workload", "testing", "reduce_dtype", "check_determinism", "record_sample_ids", "min_replicas", "spares", "checkpoint", "resume", "ranks_per_replica", "work_stealing")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class JobConfig(_message.Message):
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
     RANKS_PER_REPLICA_FIELD_NUMBER: _ClassVar[int]
+    WORK_STEALING_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     replicas: int
     steps: int
@@ -96,7 +97,8 @@ class JobConfig(_message.Message):
     checkpoint: CheckpointConfig
     resume: ResumePoint
     ranks_per_replica: int
-    def __init__(self, job_id: _Optional[str] = ..., replicas: _Optional[int] = ..., steps: _Optional[int] = ..., global_microbatches: _Optional[int] = ..., seed: _Optional[int] = ..., reduce: _Optional[str] = ..., group_timeout_s: _Optional[float] = ..., policy: _Optional[str] = ..., hang_timeout_s: _Optional[float] = ..., hang_factor: _Optional[float] = ..., first_microbatch_grace_s: _Optional[float] = ..., workload: _Optional[_Union[WorkloadSpec, _Mapping]] = ..., testing: _Optional[_Union[TestingConfig, _Mapping]] = ..., reduce_dtype: _Optional[str] = ..., check_determinism: _Optional[bool] = ..., record_sample_ids: _Optional[bool] = ..., min_replicas: _Optional[int] = ..., spares: _Optional[int] = ..., checkpoint: _Optional[_Union[CheckpointConfig, _Mapping]] = ..., resume: _Optional[_Union[ResumePoint, _Mapping]] = ..., ranks_per_replica: _Optional[int] = ...) -> None: ...
+    work_stealing: bool
+    def __init__(self, job_id: _Optional[str] = ..., replicas: _Optional[int] = ..., steps: _Optional[int] = ..., global_microbatches: _Optional[int] = ..., seed: _Optional[int] = ..., reduce: _Optional[str] = ..., group_timeout_s: _Optional[float] = ..., policy: _Optional[str] = ..., hang_timeout_s: _Optional[float] = ..., hang_factor: _Optional[float] = ..., first_microbatch_grace_s: _Optional[float] = ..., workload: _Optional[_Union[WorkloadSpec, _Mapping]] = ..., testing: _Optional[_Union[TestingConfig, _Mapping]] = ..., reduce_dtype: _Optional[str] = ..., check_determinism: _Optional[bool] = ..., record_sample_ids: _Optional[bool] = ..., min_replicas: _Optional[int] = ..., spares: _Optional[int] = ..., checkpoint: _Optional[_Union[CheckpointConfig, _Mapping]] = ..., resume: _Optional[_Union[ResumePoint, _Mapping]] = ..., ranks_per_replica: _Optional[int] = ..., work_stealing: _Optional[bool] = ...) -> None: ...
 
 class CheckpointConfig(_message.Message):
     __slots__ = ("dir", "every_steps", "every_s", "keep")
@@ -149,18 +151,52 @@ class Assignment(_message.Message):
     def __init__(self, replica: _Optional[int] = ..., microbatch_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("step", "generation", "assignments", "reason", "scale_epoch")
+    __slots__ = ("step", "generation", "assignments", "reason", "scale_epoch", "open", "version")
     STEP_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENTS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     SCALE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     step: int
     generation: int
     assignments: _containers.RepeatedCompositeFieldContainer[Assignment]
     reason: str
     scale_epoch: int
-    def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., assignments: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., reason: _Optional[str] = ..., scale_epoch: _Optional[int] = ...) -> None: ...
+    open: bool
+    version: int
+    def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., assignments: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., reason: _Optional[str] = ..., scale_epoch: _Optional[int] = ..., open: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
+
+class ShareUpdate(_message.Message):
+    __slots__ = ("generation", "step", "replica", "microbatch_ids", "open", "reason")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_IDS_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    step: int
+    replica: int
+    microbatch_ids: _containers.RepeatedScalarFieldContainer[int]
+    open: bool
+    reason: str
+    def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., replica: _Optional[int] = ..., microbatch_ids: _Optional[_Iterable[int]] = ..., open: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class Release(_message.Message):
+    __slots__ = ("generation", "step", "replica", "steal", "microbatch_ids")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    STEAL_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_IDS_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    step: int
+    replica: int
+    steal: int
+    microbatch_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., replica: _Optional[int] = ..., steal: _Optional[int] = ..., microbatch_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerationView(_message.Message):
     __slots__ = ("generation", "members", "rendezvous", "plan", "rendezvous_prefix")
@@ -438,6 +474,30 @@ class Reduced(_message.Message):
     tokens: int
     def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., microbatch_ids: _Optional[_Iterable[int]] = ..., sample_ids: _Optional[_Iterable[int]] = ..., loss: _Optional[float] = ..., compute_s: _Optional[float] = ..., reduce_s: _Optional[float] = ..., overflow: _Optional[int] = ..., scale_epoch: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
+class Progress(_message.Message):
+    __slots__ = ("generation", "step", "done", "last_s")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    LAST_S_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    step: int
+    done: _containers.RepeatedScalarFieldContainer[int]
+    last_s: float
+    def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., done: _Optional[_Iterable[int]] = ..., last_s: _Optional[float] = ...) -> None: ...
+
+class Released(_message.Message):
+    __slots__ = ("generation", "step", "steal", "microbatch_ids")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STEAL_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_IDS_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    step: int
+    steal: int
+    microbatch_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., steal: _Optional[int] = ..., microbatch_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class Applied(_message.Message):
     __slots__ = ("step", "param_sha256", "commit_wait_s")
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -449,7 +509,7 @@ class Applied(_message.Message):
     def __init__(self, step: _Optional[int] = ..., param_sha256: _Optional[str] = ..., commit_wait_s: _Optional[float] = ...) -> None: ...
 
 class WorkerReport(_message.Message):
-    __slots__ = ("replica", "ready", "resumed", "reduced", "applied", "join_progress", "join_failed", "checkpoint_written")
+    __slots__ = ("replica", "ready", "resumed", "reduced", "applied", "join_progress", "join_failed", "checkpoint_written", "progress", "released")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FIELD_NUMBER: _ClassVar[int]
@@ -458,6 +518,8 @@ class WorkerReport(_message.Message):
     JOIN_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     JOIN_FAILED_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
     replica: int
     ready: Ready
     resumed: Resumed
@@ -466,7 +528,9 @@ class WorkerReport(_message.Message):
     join_progress: JoinProgress
     join_failed: JoinFailed
     checkpoint_written: CheckpointWritten
-    def __init__(self, replica: _Optional[int] = ..., ready: _Optional[_Union[Ready, _Mapping]] = ..., resumed: _Optional[_Union[Resumed, _Mapping]] = ..., reduced: _Optional[_Union[Reduced, _Mapping]] = ..., applied: _Optional[_Union[Applied, _Mapping]] = ..., join_progress: _Optional[_Union[JoinProgress, _Mapping]] = ..., join_failed: _Optional[_Union[JoinFailed, _Mapping]] = ..., checkpoint_written: _Optional[_Union[CheckpointWritten, _Mapping]] = ...) -> None: ...
+    progress: Progress
+    released: Released
+    def __init__(self, replica: _Optional[int] = ..., ready: _Optional[_Union[Ready, _Mapping]] = ..., resumed: _Optional[_Union[Resumed, _Mapping]] = ..., reduced: _Optional[_Union[Reduced, _Mapping]] = ..., applied: _Optional[_Union[Applied, _Mapping]] = ..., join_progress: _Optional[_Union[JoinProgress, _Mapping]] = ..., join_failed: _Optional[_Union[JoinFailed, _Mapping]] = ..., checkpoint_written: _Optional[_Union[CheckpointWritten, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., released: _Optional[_Union[Released, _Mapping]] = ...) -> None: ...
 
 class CheckpointWritten(_message.Message):
     __slots__ = ("step", "path", "bytes", "write_s", "snapshot_s", "error")
@@ -601,7 +665,7 @@ class Registered(_message.Message):
     def __init__(self, replica_ids: _Optional[_Iterable[int]] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ...) -> None: ...
 
 class ControllerMessage(_message.Message):
-    __slots__ = ("registered", "generation", "commit", "shutdown", "heartbeat", "replica_assigned", "donate", "join", "stop_replica", "term")
+    __slots__ = ("registered", "generation", "commit", "shutdown", "heartbeat", "replica_assigned", "donate", "join", "stop_replica", "share", "release", "term")
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
@@ -611,6 +675,8 @@ class ControllerMessage(_message.Message):
     DONATE_FIELD_NUMBER: _ClassVar[int]
     JOIN_FIELD_NUMBER: _ClassVar[int]
     STOP_REPLICA_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
     registered: Registered
     generation: GenerationView
@@ -621,8 +687,10 @@ class ControllerMessage(_message.Message):
     donate: Donate
     join: Join
     stop_replica: StopReplica
+    share: ShareUpdate
+    release: Release
     term: int
-    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., generation: _Optional[_Union[GenerationView, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., replica_assigned: _Optional[_Union[ReplicaAssigned, _Mapping]] = ..., donate: _Optional[_Union[Donate, _Mapping]] = ..., join: _Optional[_Union[Join, _Mapping]] = ..., stop_replica: _Optional[_Union[StopReplica, _Mapping]] = ..., term: _Optional[int] = ...) -> None: ...
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., generation: _Optional[_Union[GenerationView, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., replica_assigned: _Optional[_Union[ReplicaAssigned, _Mapping]] = ..., donate: _Optional[_Union[Donate, _Mapping]] = ..., join: _Optional[_Union[Join, _Mapping]] = ..., stop_replica: _Optional[_Union[StopReplica, _Mapping]] = ..., share: _Optional[_Union[ShareUpdate, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., term: _Optional[int] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("replica", "job")
@@ -633,20 +701,24 @@ class Welcome(_message.Message):
     def __init__(self, replica: _Optional[int] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ...) -> None: ...
 
 class WorkerCommand(_message.Message):
-    __slots__ = ("welcome", "generation", "commit", "shutdown", "donate", "join")
+    __slots__ = ("welcome", "generation", "commit", "shutdown", "donate", "join", "share", "release")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
     DONATE_FIELD_NUMBER: _ClassVar[int]
     JOIN_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     generation: GenerationView
     commit: Commit
     shutdown: Shutdown
     donate: Donate
     join: Join
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., generation: _Optional[_Union[GenerationView, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., donate: _Optional[_Union[Donate, _Mapping]] = ..., join: _Optional[_Union[Join, _Mapping]] = ...) -> None: ...
+    share: ShareUpdate
+    release: Release
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., generation: _Optional[_Union[GenerationView, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., donate: _Optional[_Union[Donate, _Mapping]] = ..., join: _Optional[_Union[Join, _Mapping]] = ..., share: _Optional[_Union[ShareUpdate, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ()
@@ -782,7 +854,7 @@ class ReplicaDigest(_message.Message):
     def __init__(self, replica: _Optional[int] = ..., param_sha256: _Optional[str] = ...) -> None: ...
 
 class StepRecord(_message.Message):
-    __slots__ = ("step", "generation", "microbatches", "sample_digest", "loss", "committed_at", "param_sha256", "tokens", "compute_s", "reduce_s", "commit_wait_s", "sample_ids", "replicas", "loads", "failures")
+    __slots__ = ("step", "generation", "microbatches", "sample_digest", "loss", "committed_at", "param_sha256", "tokens", "compute_s", "reduce_s", "commit_wait_s", "sample_ids", "replicas", "loads", "failures", "stolen")
     STEP_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
@@ -798,6 +870,7 @@ class StepRecord(_message.Message):
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     LOADS_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
+    STOLEN_FIELD_NUMBER: _ClassVar[int]
     step: int
     generation: int
     microbatches: int
@@ -813,7 +886,8 @@ class StepRecord(_message.Message):
     replicas: int
     loads: _containers.RepeatedCompositeFieldContainer[ReplicaLoad]
     failures: _containers.RepeatedCompositeFieldContainer[FailureRecord]
-    def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., microbatches: _Optional[int] = ..., sample_digest: _Optional[str] = ..., loss: _Optional[float] = ..., committed_at: _Optional[float] = ..., param_sha256: _Optional[_Iterable[_Union[ReplicaDigest, _Mapping]]] = ..., tokens: _Optional[int] = ..., compute_s: _Optional[float] = ..., reduce_s: _Optional[float] = ..., commit_wait_s: _Optional[float] = ..., sample_ids: _Optional[_Iterable[int]] = ..., replicas: _Optional[int] = ..., loads: _Optional[_Iterable[_Union[ReplicaLoad, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[FailureRecord, _Mapping]]] = ...) -> None: ...
+    stolen: int
+    def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., microbatches: _Optional[int] = ..., sample_digest: _Optional[str] = ..., loss: _Optional[float] = ..., committed_at: _Optional[float] = ..., param_sha256: _Optional[_Iterable[_Union[ReplicaDigest, _Mapping]]] = ..., tokens: _Optional[int] = ..., compute_s: _Optional[float] = ..., reduce_s: _Optional[float] = ..., commit_wait_s: _Optional[float] = ..., sample_ids: _Optional[_Iterable[int]] = ..., replicas: _Optional[int] = ..., loads: _Optional[_Iterable[_Union[ReplicaLoad, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[FailureRecord, _Mapping]]] = ..., stolen: _Optional[int] = ...) -> None: ...
 
 class FailureRecord(_message.Message):
     __slots__ = ("step", "replica", "phase", "cause", "killed_at", "detected_at", "recovered_at", "generation", "error")

@@ -87,7 +87,8 @@ class StepExecutor(JoinSteps):
     def _has_work(self) -> bool:
         s = self.state
         return (self.group is not None and not self.finished and s.planned
-                and (len(s.done) < len(s.assigned) or s.reduced is None))
+                and (len(s.done) < len(s.assigned) or (s.reduced is None
+                                                        and not s.idle_reported)))
 
     def _handle(self, command: pb.WorkerCommand) -> None:
         kind = command.WhichOneof("kind")
@@ -101,11 +102,17 @@ class StepExecutor(JoinSteps):
             self._donate(command.donate)
         elif kind == "join":
             self._join(command.join)
+        elif kind == "share":
+            self._adopt_share(command.share)
+        elif kind == "release":
+            self._release(command.release)
 
     def _work(self) -> None:
         s = self.state
         if len(s.done) < len(s.assigned):
             self._compute(s.assigned[len(s.done)])
+        elif s.open:
+            self._report_progress(0.0)  # an empty share: idle at once
         else:
             self._reduce()
 
@@ -177,12 +184,58 @@ class StepExecutor(JoinSteps):
         # Done first, in order, so `assigned[len(done):]` is exactly what is left.
         s.assigned = s.done + [mb for mb in mine if mb not in s.done]
         s.planned = True
+        s.open, s.idle_reported = plan.open, False
+        self._load_ahead()
+        if not s.original:
+            s.original = set(mine)
+
+    def _load_ahead(self) -> None:
+        s = self.state
         load_ahead = getattr(self.workload.source, "plan", None)
         if load_ahead is not None:  # a source that loads ahead learns what comes next
             load_ahead([(s.step, mb) for mb in s.assigned[len(s.done):]]
                        + [(s.step + 1, mb) for mb in s.assigned])  # the next plan repeats, often
-        if not s.original:
-            s.original = set(mine)
+
+    # ------------------------------------------------------------ work-stealing
+
+    def _adopt_share(self, update: pb.ShareUpdate) -> None:
+        """More microbatches, stolen for this member, or its share closed (reduce when done)."""
+        s = self.state
+        if update.generation != self.generation or update.step != s.step or s.reduced is not None:
+            return  # fenced: a new generation's plan replaced the share it changes
+        missing = [mb for mb in s.done if mb not in update.microbatch_ids]
+        if missing:
+            raise RuntimeError(f"a share update of step {s.step} drops microbatches {missing} "
+                               "this worker already accumulated")
+        grown = any(mb not in s.assigned for mb in update.microbatch_ids)
+        s.assigned = s.done + [mb for mb in update.microbatch_ids if mb not in s.done]
+        s.open, s.idle_reported = update.open, False
+        if grown:
+            self._load_ahead()
+            self.hooks.on_share_grown(s.step)
+
+    def _release(self, release: pb.Release) -> None:
+        """Give back the asked-for microbatches this worker has not started. Commands are
+        handled between microbatches, so every one not done is not started: what it answers
+        is exactly what it will never compute, before anyone else is handed it."""
+        s = self.state
+        released: list[int] = []
+        if (release.generation == self.generation and release.step == s.step and s.open
+                and s.reduced is None):
+            unstarted = set(s.assigned[len(s.done):])
+            released = [mb for mb in release.microbatch_ids if mb in unstarted]
+            s.assigned = [mb for mb in s.assigned if mb not in released]
+        self.channel.send(pb.WorkerReport(released=pb.Released(
+            generation=release.generation, step=release.step, steal=release.steal,
+            microbatch_ids=released)))
+        if released:
+            self.hooks.on_release(s.step)
+
+    def _report_progress(self, last_s: float) -> None:
+        s = self.state
+        s.idle_reported = len(s.done) >= len(s.assigned)
+        self.channel.send(pb.WorkerReport(progress=pb.Progress(
+            generation=self.generation, step=s.step, done=s.done, last_s=last_s)))
 
     def _compute(self, microbatch: int) -> None:
         if self.beacon is not None:
@@ -209,7 +262,10 @@ class StepExecutor(JoinSteps):
         s.done.append(microbatch)
         s.sample_ids.extend(result.sample_ids)
         s.tokens += result.tokens
-        s.compute_s += time.perf_counter() - started
+        took = time.perf_counter() - started
+        s.compute_s += took
+        if s.open:
+            self._report_progress(took)
 
     def _reduce(self) -> None:
         s, group = self.state, self.group

@@ -41,6 +41,8 @@ PHASES: dict[str, str] = {
     "deadlock": "hang: block forever on a lock while computing a microbatch (for the watchdog)",
     "slow": "stay alive but sleep `seconds` in every microbatch of the step (must NOT be killed)",
     "nan": "not a kill: poison one microbatch's gradient with NaN in every attempt of the step",
+    "steal": "work-stealing: right after being handed stolen microbatches, before computing them",
+    "release": "work-stealing: right after answering a Release that gave microbatches away",
     "startup": "while starting: after attaching to its agent, before reporting ready",
     "join": "while joining: right after loading a donor's snapshot, before catching up",
     "donate": "while donating: right after sending the snapshot to a joiner (mid-stream)",
@@ -48,7 +50,7 @@ PHASES: dict[str, str] = {
 HANG_PHASES = ("stop", "spin", "deadlock")
 ANY_REPLICA_PHASES = ("join", "donate", "startup")
 """Phases that may target a replica started later (a restart's new id: replicas, replicas+1...)."""
-AT_OR_AFTER_PHASES = ("join", "donate")
+AT_OR_AFTER_PHASES = ("join", "donate", "steal", "release")
 """Phases whose step means "the first time at or after it" (joins happen when they happen)."""
 
 
@@ -276,6 +278,12 @@ class FaultHooks(StepHooks):
             factor, self._factor, self._points = self._factor, 1.0, None
             if took > 0:
                 self._sleep((factor - 1.0) * took)
+
+    def on_share_grown(self, step: int) -> None:
+        self._fire_if_armed(step, "steal")
+
+    def on_release(self, step: int) -> None:
+        self._fire_if_armed(step, "release")
 
     def before_reduce(self, step: int) -> None:
         if self.faults.armed(step, "reduce"):  # from a timer: it lands inside the allreduce

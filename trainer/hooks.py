@@ -59,6 +59,12 @@ class StepHooks:
                          grads: GradientBuckets) -> None:
         """Its gradient is in `grads`, not yet accumulated into the step's sum."""
 
+    def on_share_grown(self, step: int) -> None:
+        """Work-stealing: microbatches stolen for this replica were added to its share."""
+
+    def on_release(self, step: int) -> None:
+        """Work-stealing: this replica answered a Release, giving microbatches away."""
+
     def before_reduce(self, step: int) -> None:
         """About to reduce the step's buffers (copies of the accumulation)."""
 

@@ -39,3 +39,8 @@ class StepState:
     reduced: Reduced | None = None
     """The reduced gradient (a copy) awaiting the commit."""
     compute_s: float = 0.0
+    open: bool = False
+    """Work-stealing: the share may still change; reduce only once the controller closes it."""
+    idle_reported: bool = False
+    """Work-stealing: every microbatch of the share is done and the controller knows it;
+    waiting for more, or for the share to close."""

@@ -1,14 +1,18 @@
-"""Uniform vs throughput-proportional quotas, side by side (issue 21, "Speed").
+"""Uniform vs throughput-proportional quotas vs work-stealing, side by side (issue 21, "Speed").
 
-Every round runs, for each M (default 16 and 64), five `recover run --replicas 4 --steps N
+Every round runs, for each M (default 16 and 64), nine `recover run --replicas 4 --steps N
 -M M -B 2 --compute-ms C` jobs (C ms of emulated accelerator time per microbatch, a sleep,
 plus the tiny model's real forward/backward, kept small with -B 2):
 
-  uniform-equal   --policy recover                     (equal replicas)
-  prop-equal      --policy proportional
-  uniform-slow    --policy recover       --slowdown replica=2,factor=2
-  prop-slow       --policy proportional  --slowdown replica=2,factor=2
-  prop-midrun     --policy proportional  --slowdown replica=2,factor=2,from_step=S,until_step=T
+  uniform-equal     --policy recover                     (equal replicas)
+  prop-equal        --policy proportional
+  propsteal-equal   --policy proportional --work-stealing
+  uniform-slow      --policy recover       --slowdown replica=2,factor=2
+  prop-slow         --policy proportional  --slowdown replica=2,factor=2
+  steal-slow        --policy recover       --work-stealing --slowdown replica=2,factor=2
+  propsteal-slow    --policy proportional  --work-stealing --slowdown replica=2,factor=2
+  prop-midrun       --policy proportional  --slowdown replica=2,factor=2,from_step=S,until_step=T
+  propsteal-midrun  the same with --work-stealing
 
 The order of the runs flips every round (A B C ... | ... C B A), so drift and the load of
 the shared machine hit every case alike. Step time of a run: the median commit-to-commit
@@ -31,7 +35,8 @@ the midpoint between M / 4 and its proportional share M / 7), the lag after T ho
 T on still give it the slowed share; step S and step T are planned before the change, so
 1 is the least possible. Extra cost: sum over steps S.. of (interval - the round's
 prop-slow step) while slowed and over T.. of (interval - prop-equal step) after, in units
-of the prop-equal step. Work-stealing and the paper's policy do not exist yet: not measured.
+of the prop-equal step (propsteal-midrun: against propsteal-slow and propsteal-equal).
+The paper's policy is not measured: its quota rule is not in the text available here.
 
     .venv/bin/python bench/scripts/quotas.py --rounds 6 --out bench/results/quotas
 """
@@ -56,12 +61,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling script b
 import before_after  # noqa: E402
 
 REPLICAS, SLOW, FACTOR = 4, 2, 2.0
-CASES = ("uniform-equal", "prop-equal", "uniform-slow", "prop-slow", "prop-midrun")
+CASES = ("uniform-equal", "prop-equal", "propsteal-equal", "uniform-slow", "prop-slow",
+         "steal-slow", "propsteal-slow", "prop-midrun", "propsteal-midrun")
+SLOW_CASES = ("uniform-slow", "prop-slow", "steal-slow", "propsteal-slow")
 BOOTSTRAP = 4000
 
 
 def case_args(case: str, slow_from: int, slow_until: int) -> list[str]:
-    policy = ["--policy", "recover" if case.startswith("uniform") else "proportional"]
+    policy = ["--policy", "recover" if case.startswith(("uniform", "steal-")) else "proportional"]
+    if "steal" in case:
+        policy.append("--work-stealing")
     if case.endswith("slow"):
         return [*policy, "--slowdown", f"replica={SLOW},factor={FACTOR:g}"]
     if case.endswith("midrun"):
@@ -102,6 +111,7 @@ def one_run(out: Path, args: list[str], warmup: int, timeout_s: float) -> dict[s
             "step_intervals_s": [round(x, 5) for x in dt],
             "microbatches_by_replica_per_step": [[q.get(r, 0) for r in range(REPLICAS)]
                                                  for q in loads],
+            "stolen_per_step": s.get("stolen_per_step", []),
             "param_sha256": s["param_sha256"]}
 
 
@@ -168,22 +178,28 @@ def analyse(result: dict[str, Any]) -> None:
         per["integer_bound_over_ideal"] = round(integer_bound_units(m) / ideal_units(m), 4)
         per["over_ideal"] = {c: ratio_stats([(step(r, c), step(r, "uniform-equal") * scale)
                                              for r in have])
-                             for c in ("uniform-slow", "prop-slow")}
+                             for c in SLOW_CASES}
         per["uniform_slow_over_prop_slow"] = ratio_stats(
             [(step(r, "uniform-slow"), step(r, "prop-slow")) for r in have])
+        per["uniform_slow_over_propsteal_slow"] = ratio_stats(
+            [(step(r, "uniform-slow"), step(r, "propsteal-slow")) for r in have])
         per["prop_equal_over_uniform_equal"] = ratio_stats(
             [(step(r, "prop-equal"), step(r, "uniform-equal")) for r in have])
+        per["propsteal_equal_over_uniform_equal"] = ratio_stats(
+            [(step(r, "propsteal-equal"), step(r, "uniform-equal")) for r in have])
         per["prop_equal_nonuniform_plan_steps"] = [
             sum(1 for q in r["runs"][key]["prop-equal"]["microbatches_by_replica_per_step"]
                 if max(q) - min(q) > 1) for r in have]
-        mids = [adaptation(r["runs"][key]["prop-midrun"], m, s, t, step(r, "prop-slow"),
-                           step(r, "prop-equal")) for r in have]
-        per["midrun"] = {
-            "per_round": mids,
-            "lag_after_from_step": [x["lag_after_from_step"] for x in mids],
-            "lag_after_until_step": [x["lag_after_until_step"] for x in mids],
-            **{k: median_ci([x[k] for x in mids])
-               for k in ("extra_steps_slowed", "extra_steps_after", "extra_steps")}}
+        for name, prefix in (("midrun", "prop"), ("midrun_steal", "propsteal")):
+            mids = [adaptation(r["runs"][key][f"{prefix}-midrun"], m, s, t,
+                               step(r, f"{prefix}-slow"), step(r, f"{prefix}-equal"))
+                    for r in have]
+            per[name] = {
+                "per_round": mids,
+                "lag_after_from_step": [x["lag_after_from_step"] for x in mids],
+                "lag_after_until_step": [x["lag_after_until_step"] for x in mids],
+                **{k: median_ci([x[k] for x in mids])
+                   for k in ("extra_steps_slowed", "extra_steps_after", "extra_steps")}}
         figures[key] = per
     result["figures"] = figures
     result["checks"] = {
@@ -196,7 +212,7 @@ def analyse(result: dict[str, Any]) -> None:
 
 
 def run_steps(job: dict[str, Any], case: str) -> int:
-    return int(job["midrun_steps"] if case == "prop-midrun" else job["steps"])
+    return int(job["midrun_steps"] if case.endswith("midrun") else job["steps"])
 
 
 def verdicts(figures: dict[str, Any]) -> dict[str, Any]:
@@ -209,7 +225,24 @@ def verdicts(figures: dict[str, Any]) -> dict[str, Any]:
             continue
         lo, hi = eq["ci95"]
         lags = per["midrun"]["lag_after_from_step"] + per["midrun"]["lag_after_until_step"]
+        steal_speed = per["uniform_slow_over_propsteal_slow"]
+        steal_ideal = per["over_ideal"]["propsteal-slow"]
+        steal_eq = per["propsteal_equal_over_uniform_equal"]
+        steal_mid = per["midrun_steal"]["extra_steps"]
         out[key] = {
+            "proportional + stealing >= 1.5x faster than uniform (one 2x replica)":
+                "met" if steal_speed["ci95"][0] >= 1.5 else "not met"
+                if steal_speed["ci95"][1] < 1.5 else "not resolved",
+            "proportional + stealing within 5 % of ideal":
+                "met" if steal_ideal["ci95"][1] <= 1.05 else "not met"
+                if steal_ideal["ci95"][0] > 1.05 else "not resolved",
+            "equal replicas: proportional + stealing within 1 % of uniform":
+                "met" if steal_eq["ci95"][0] >= 0.99 and steal_eq["ci95"][1] <= 1.01
+                else "no slowdown beyond 1 %" if steal_eq["ci95"][1] <= 1.01
+                else "slower" if steal_eq["ci95"][0] > 1.01 else "not resolved",
+            "mid-run slowdown with stealing: extra cost <= 1 step":
+                "met" if steal_mid["ci95"][1] <= 1 else "not met" if steal_mid["ci95"][0] > 1
+                else "not resolved",
             "proportional >= 1.5x faster than uniform (one 2x replica)":
                 "met" if speed["ci95"][0] >= 1.5 else "not met" if speed["ci95"][1] < 1.5
                 else "not resolved",
@@ -234,7 +267,7 @@ def fmt(r: dict[str, Any]) -> str:
 
 
 def table(result: dict[str, Any]) -> str:
-    """The markdown table of BENCHMARKS.md."""
+    """The markdown tables of BENCHMARKS.md."""
     lines = ["| M | t (normal replica, per microbatch) | uniform-slow / ideal | prop-slow / ideal "
              "(integer bound) | uniform-slow / prop-slow | prop-equal / uniform-equal | "
              "mid-run: lag after S, after T (steps, per round) | mid-run extra cost (steps) |",
@@ -249,6 +282,21 @@ def table(result: dict[str, Any]) -> str:
             f"{fmt(per['prop_equal_over_uniform_equal'])} | "
             f"{mid['lag_after_from_step']}, {mid['lag_after_until_step']} | "
             f"**{ex['median']:.2f}** ({ex['ci95'][0]:.2f}-{ex['ci95'][1]:.2f}) |")
+    lines += ["", "| M | uniform-slow / ideal | steal-slow / ideal | propsteal-slow / ideal | "
+              "uniform-slow / propsteal-slow | propsteal-equal / uniform-equal | "
+              "mid-run extra cost with stealing (steps) | microbatches stolen per step "
+              "(propsteal-slow, median) |", "|---" * 8 + "|"]
+    for key, per in result["figures"].items():
+        ex = per["midrun_steal"]["extra_steps"]
+        stolen = [statistics.median(r["runs"][key]["propsteal-slow"]["stolen_per_step"] or [0])
+                  for r in result["rounds"] if "propsteal-slow" in r["runs"][key]]
+        lines.append(
+            f"| {key} | {fmt(per['over_ideal']['uniform-slow'])} | "
+            f"{fmt(per['over_ideal']['steal-slow'])} | {fmt(per['over_ideal']['propsteal-slow'])} | "
+            f"{fmt(per['uniform_slow_over_propsteal_slow'])} | "
+            f"{fmt(per['propsteal_equal_over_uniform_equal'])} | "
+            f"**{ex['median']:.2f}** ({ex['ci95'][0]:.2f}-{ex['ci95'][1]:.2f}) | "
+            f"{statistics.median(stolen) if stolen else '-'} |")
     lines += ["", "| M | " + " | ".join(CASES) + " |", "|---" * (len(CASES) + 1) + "|"]
     for key, per in result["figures"].items():
         lines.append(f"| {key} | " + " | ".join(
@@ -268,7 +316,7 @@ def measure(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         rnd: dict[str, Any] = {"round": i, "order": [f"{m}/{c}" for m, c in order],
                                "runs": {str(m): {} for m in args.microbatches}}
         for m, case in order:
-            steps = args.midrun_steps if case == "prop-midrun" else args.steps
+            steps = args.midrun_steps if case.endswith("midrun") else args.steps
             run_args = [*common, "-M", str(m), "--steps", str(steps),
                         *case_args(case, args.slow_from, args.slow_until)]
             run_dir = out / "runs" / f"{i:02d}-{m}-{case}"
@@ -278,7 +326,8 @@ def measure(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         rounds.append(rnd)
         print(f"round {i + 1}/{args.rounds} ({time.monotonic() - began:.0f}s, load "
               f"{os.getloadavg()[0]:.2f}): " + "; ".join(
-                  f"M={m} " + " ".join(f"{c} {rnd['runs'][m][c]['step_s'] * 1000:.0f}" for c in CASES)
+                  f"M={m} " + " ".join(f"{c} {rnd['runs'][m][c]['step_s'] * 1000:.0f}"
+                                       for c in CASES)
                   for m in rnd["runs"]), file=sys.stderr, flush=True)
         # Kept after every round: an interrupted measurement can still be --reanalyse'd.
         (out / "results.json").write_text(json.dumps(document(args, common, rounds, began,
@@ -295,8 +344,8 @@ def document(args: argparse.Namespace, common: list[str], rounds: list[dict[str,
                     "steps": args.steps, "midrun_steps": args.midrun_steps, "warmup": args.warmup,
                     "slow_from": args.slow_from, "slow_until": args.slow_until,
                     "cases": {c: case_args(c, args.slow_from, args.slow_until) for c in CASES}},
-            "not_measured": "work-stealing (issue 21 item 2) and --policy paper (item 4) do "
-                            "not exist yet",
+            "not_measured": "--policy paper (issue 21 item 4): its quota rule is not in the "
+                            "text available here",
             "bench_wall_s": round(time.monotonic() - began, 1), "environment_before": env_before,
             "environment": {**environment(), **foreign_load()}, "rounds": rounds}
 

@@ -91,6 +91,30 @@ def test_proportional_quotas_around_a_slow_replica_keep_the_trajectory(
     assert_bitwise_identical(summary, exact_reference)
 
 
+def test_work_stealing_with_kills_racing_steals_keeps_the_trajectory(
+        tmp_path: Path, exact_reference: dict[str, Any]) -> None:
+    """Work-stealing changes who computes inside a step, never what: two replicas 4x slower
+    from step 1 have their unstarted microbatches taken by the idle ones, step after step;
+    the giver is SIGKILLed right after answering a Release (its answer may or may not have
+    left) and a taker right after being handed stolen microbatches, and both are recovered.
+    Every step sums the same 12 microbatches and the trajectory is the uniform failure-free
+    one, bit for bit. Real processes: a Release and its answer cross the agents and the
+    controller's gRPC streams while the workers compute, which no fake orders for us."""
+    summary = exact_run(tmp_path, 4, "step=2,replica=2,phase=release",
+                        "step=3,replica=0,phase=steal",
+                        extra=("--work-stealing", "--compute-ms", "30",
+                               "--slowdown", "replica=2,factor=4,from_step=1",
+                               "--slowdown", "replica=3,factor=4,from_step=1"))
+    assert summary["work_stealing"]
+    assert sorted((f["replica"], f["phase"]) for f in summary["failures"]) == [
+        (0, "steal"), (2, "release")]
+    assert sum(summary["stolen_per_step"][1:]) > 0
+    loads = summary["microbatches_by_replica_per_step"]
+    assert all(sum(step.values()) == 12 for step in loads)
+    assert any(step.get("3", 3) < 3 for step in loads[1:])  # the slow one gave some away
+    assert_bitwise_identical(summary, exact_reference)
+
+
 def test_drop_policy_drifts(tmp_path: Path, exact_reference: dict[str, Any]) -> None:
     """The ablation: dropping a lost replica's microbatches changes what the model learns."""
     summary = exact_run(tmp_path, 4, "step=2,replica=1,phase=backward", extra=("--policy", "drop"))

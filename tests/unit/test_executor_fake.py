@@ -249,9 +249,12 @@ def train(reduce: str = "exact", faults: tuple[pb.FaultSpec, ...] = (), hold: se
           slowdowns: tuple[pb.SlowdownSpec, ...] = (), sleep: Any = None,
           build: Callable[[], nn.Module] = mlp, buffers: str = "reduce",
           background_digests: bool | None = None,
-          source_of: Callable[[], Any] | None = None) -> Run:
-    """Train STEPS steps with REPLICAS replica threads; returns when every thread ended."""
-    controller = FakeController(list(range(REPLICAS)), hold=set(hold or ()))
+          source_of: Callable[[], Any] | None = None,
+          controller_of: Callable[..., FakeController] = FakeController,
+          prepare: Callable[[dict[int, StepExecutor]], None] | None = None) -> Run:
+    """Train STEPS steps with REPLICAS replica threads; returns when every thread ended.
+    `controller_of` makes the fake controller; `prepare` may change the executors first."""
+    controller = controller_of(list(range(REPLICAS)), hold=set(hold or ()))
     rendezvous = FakeRendezvous(timeout_s=SAFETY_S)
     if crash_in_allreduce is not None:
         rendezvous.world(1, REPLICAS).crash_during_allreduce(*crash_in_allreduce)
@@ -262,6 +265,8 @@ def train(reduce: str = "exact", faults: tuple[pb.FaultSpec, ...] = (), hold: se
                                               rendezvous, list(faults), list(slowdowns), sleep,
                                               build, buffers, source_of)
         executors[replica].background_digests = background_digests
+    if prepare is not None:
+        prepare(executors)
 
     def life(executor: StepExecutor) -> None:
         try:

@@ -1,0 +1,192 @@
+"""Work-stealing inside a step: who takes which unstarted microbatches from whom.
+
+Pure decisions with reasons, tested table-style (tests/unit/test_stealing.py); the
+protocol that carries them out is in stealflow.py, and in the README's design section.
+
+A plan with work-stealing on is *open*: its members report their progress after each
+microbatch and reduce only once the controller *closes* their share. When a member has
+done its whole share (it is idle) while another still holds microbatches it has not
+started, the controller asks that one (the giver) to release some; the giver answers with
+exactly those it had not started, and only then are they handed to the idle member (the
+taker). A started microbatch stays with whoever started it, and no microbatch is ever held
+by two members, so each of the step's M is computed exactly once into the sum.
+
+What the controller knows of a member is what it last reported: how many microbatches it
+has done, when, and how long its last one took. So the decisions below are predictions,
+and need not be right to be safe: the giver, not the prediction, decides what is released.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+DEFAULT_LATENCY_S = 0.002
+"""A Release's round trip through the agents (controller -> giver -> controller -> taker)."""
+
+
+@dataclass(frozen=True)
+class Member:
+    """One member of the step in flight, as the controller last heard of it."""
+
+    replica: int
+    share: tuple[int, ...]
+    """Its microbatches in the plan now, in the order it computes them."""
+    done: int
+    """How many of them it reported done (a prefix of `share`)."""
+    seconds_per_mb: float
+    """Its current speed: its last microbatch's time, else its measured speed."""
+    since: float
+    """When its last report came (or the step began for it): its current microbatch began
+    then."""
+    closed: bool = False
+    """Told that no more will come: it reduces once its share is done."""
+    giving: bool = False
+    """A Release to it is unanswered: nobody else may ask it until it answers."""
+    taking: bool = False
+    """Waiting for the answer to a Release made for it."""
+
+    @property
+    def idle(self) -> bool:
+        return self.done >= len(self.share)
+
+    def pace(self, now: float) -> float:
+        """Its seconds per microbatch from here on: its last speed, or longer if its current
+        microbatch has already taken longer (a replica slowing down mid-step, or one not
+        measured yet)."""
+        if self.idle:
+            return self.seconds_per_mb
+        return max(self.seconds_per_mb, now - self.since)
+
+    def boundary(self, now: float) -> float:
+        """When its current microbatch ends: where it next reads a command."""
+        if self.idle:
+            return now
+        return max(self.since + self.seconds_per_mb, now)
+
+    def finish(self, now: float) -> float:
+        """When it will have done its share, at its current pace."""
+        if self.idle:
+            return now
+        return self.boundary(now) + (len(self.share) - self.done - 1) * self.pace(now)
+
+    @property
+    def unstarted(self) -> tuple[int, ...]:
+        """Microbatches it has surely not started: all but the one in progress."""
+        return self.share[self.done + 1:]
+
+
+@dataclass(frozen=True)
+class Steal:
+    """Ask `giver` to release the microbatches of `takes`; each is then its taker's."""
+
+    giver: int
+    takes: Mapping[int, tuple[int, ...]]
+    """Taker -> the giver's unstarted microbatches it is to compute (once the giver answered:
+    those it released)."""
+    reason: str
+    number: int = 0
+    """The controller's number for it once asked (a Release and its answer carry it)."""
+
+    @property
+    def microbatch_ids(self) -> tuple[int, ...]:
+        return tuple(mb for ids in self.takes.values() for mb in ids)
+
+
+@dataclass(frozen=True)
+class Decisions:
+    """What the members' latest reports call for."""
+
+    steals: tuple[Steal, ...] = ()
+    close: Mapping[int, str] = field(default_factory=dict)
+    """Members to close now (they reduce once done), with the reason."""
+
+
+def split_unstarted(giver: Member, takers: Sequence[Member], now: float,
+                    latency_s: float = DEFAULT_LATENCY_S) -> dict[int, tuple[int, ...]]:
+    """Which of the giver's unstarted microbatches each taker should compute (list
+    scheduling from the giver's end): one moves while the taker that would finish it
+    earliest finishes before the giver would with it. A taker starts on them once the giver,
+    at its next microbatch boundary, has released them and the news has reached it."""
+    giver_end, giver_pace = giver.finish(now), giver.pace(now)
+    start = giver.boundary(now) + latency_s
+    free = {t.replica: max(t.finish(now), start) for t in takers}
+    speed = {t.replica: t.pace(now) for t in takers}
+    takes: dict[int, list[int]] = {}
+    for mb in reversed(giver.unstarted):
+        if not free:
+            break
+        best = min(free, key=lambda r: (free[r] + speed[r], r))
+        if free[best] + speed[best] >= giver_end - 1e-9:
+            break  # moving it would not end the giver's part any sooner than the taker's
+        free[best] += speed[best]
+        giver_end -= giver_pace
+        takes.setdefault(best, []).insert(0, mb)
+    return {r: tuple(ids) for r, ids in takes.items()}
+
+
+def decide(members: Mapping[int, Member], now: float,
+           latency_s: float = DEFAULT_LATENCY_S) -> Decisions:
+    """Steals and closes: once a member is idle, the members predicted to finish last give
+    their unstarted microbatches to those that would finish them sooner (an idle member, or
+    one about to be), and an idle member nothing is left for is closed; an idle member that
+    could get something once a pending Release is answered waits for it. Once no member
+    holds an unstarted microbatch, every member is closed, busy or not."""
+    idle = [m for m in members.values() if m.idle and not m.closed and not m.taking]
+    settled = [m for m in members.values() if not (m.closed or m.giving or m.taking)]
+    if not any(m.giving or m.taking for m in members.values()) and \
+            not any(m.unstarted for m in settled):
+        # Nobody holds a microbatch it has not started, and only those ever move: no steal
+        # can come in this step, so every member may reduce as soon as it is done (the last
+        # to finish then needs no round trip to learn it).
+        return Decisions(close={m.replica: f"replica {m.replica}: no member holds a "
+                                           "microbatch it has not started" for m in settled})
+    if not idle:
+        return Decisions()
+    busy = {m.replica for m in members.values() if m.giving or m.taking or m.closed}
+    steals: list[Steal] = []
+    givers = sorted((m for m in members.values() if m.unstarted and m.replica not in busy),
+                    key=lambda m: (-m.finish(now), m.replica))
+    for giver in givers:
+        if giver.replica in busy:
+            continue  # it takes in a steal decided above
+        takers = [m for m in members.values() if m.replica != giver.replica
+                  and m.replica not in busy and m.finish(now) < giver.finish(now)]
+        if not any(t.idle for t in takers):
+            continue  # nobody idle yet: stealing starts when someone runs out
+        takes = split_unstarted(giver, takers, now, latency_s)
+        if not takes:
+            continue
+        after = max(giver.finish(now) - sum(map(len, takes.values())) * giver.pace(now),
+                    *(max(members[t].finish(now), giver.boundary(now) + latency_s)
+                      + len(ids) * members[t].pace(now) for t, ids in takes.items()))
+        steals.append(Steal(giver.replica, takes, (
+            f"replica {giver.replica} ({_ms(giver.pace(now))}/microbatch) gives "
+            + ", ".join(f"{list(ids)} to replica {t}" for t, ids in sorted(takes.items()))
+            + f": its part of the step ends in {_ms(after - now)} instead of "
+            f"{_ms(giver.finish(now) - now)}")))
+        busy |= {giver.replica, *takes}
+    pending = any(m.giving for m in members.values())
+    close = {m.replica: f"replica {m.replica} idle: nothing left worth taking"
+             for m in idle if m.replica not in busy and not pending}
+    return Decisions(tuple(steals), close)
+
+
+def last_open(members: Mapping[int, Member]) -> int | None:
+    """The one member still open when every other is closed: nobody is left to take from
+    it, so it may be closed before it finishes (it then reduces without asking)."""
+    still_open = [m for m in members.values() if not m.closed]
+    if len(still_open) != 1:
+        return None
+    last = still_open[0]
+    return None if last.giving or last.taking else last.replica
+
+
+def after_release(share: Sequence[int], released: Sequence[int]) -> tuple[int, ...]:
+    """The giver's share once `released` left it (order kept)."""
+    gone = set(released)
+    return tuple(mb for mb in share if mb not in gone)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms"
