@@ -37,7 +37,7 @@ from recover.controller import (
 )
 from recover.controller.events import EventLog
 from recover.controller.jobstate import TERMINAL, JobState, StepProgress
-from recover.controller.joins import Join
+from recover.controller.joinreports import JoinReports
 from recover.controller.records import PersistedJob, Records
 from recover.controller.recoveries import RecoveryTracker, observed_phase
 from recover.controller.store import Store
@@ -104,7 +104,8 @@ class Coordinator:
         self.done = asyncio.Event()
         self._ending: asyncio.Future[None] | None = None
         """The end being announced (held so the shielded task is not collected)."""
-        self.joins = JoinReports(self)
+        self.joins = JoinReports(lambda: self.view, lambda: self.steps, self.transfers,
+                                 self._run, self._run_now)
         self.throughput = ThroughputEstimator()
         """Each replica's seconds per microbatch, from its reports (quota policies use it)."""
         self._speeds: Speeds | None = None
@@ -452,47 +453,6 @@ class Coordinator:
 
     async def set_spares(self, spares: int, by: str) -> operations.Decision:
         return await self._run(operations.set_spares, spares, by)
-
-
-class JoinReports:
-    """The joins of the running job, for the gRPC layer, metrics and tests: their state is
-    in the view, their reports run transitions."""
-
-    def __init__(self, coordinator: Coordinator) -> None:
-        self._c = coordinator
-
-    @property
-    def joins(self) -> Mapping[int, Join]:
-        return self._c.view.joins
-
-    @property
-    def spares(self) -> list[int]:
-        return self._c.view.spares
-
-    @property
-    def joined(self) -> int:
-        return self._c.view.joined
-
-    @property
-    def abandoned(self) -> int:
-        return self._c.view.abandoned
-
-    @property
-    def transfers(self) -> list[tuple[int, float]]:
-        return self._c.transfers
-
-    def progress(self, replica: int, msg: pb.JoinProgress) -> None:
-        steps = self._c.steps
-        before = msg.step - 1  # the snapshot holds the state after this step
-        committed = ({d.param_sha256 for d in steps[before].param_sha256}
-                     if msg.param_sha256 and 0 <= before < len(steps) else set())
-        self._c._run_now(joinflow.progress, replica, msg, committed)
-
-    async def failed(self, replica: int, msg: pb.JoinFailed) -> None:
-        await self._c._run(losses.join_failed, replica, msg)
-
-    def retry_waiting(self) -> None:
-        self._c._run_now(joinflow.retry_waiting)
 
 
 __all__ = ["Coordinator", "JobState"]

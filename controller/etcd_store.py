@@ -214,6 +214,14 @@ class EtcdStore(Store):
     async def get(self, key: str) -> bytes | None:
         return (await self._read(key)).value
 
+    async def get_leased(self, key: str) -> tuple[bytes, int] | None:
+        raw = key.encode()
+        result = await self._retry("read", lambda: self._client.get_range(raw, raw + b"\0"))
+        if not len(result):
+            return None
+        kv = result.kvs[0]
+        return bytes(kv.value), int(kv.lease)
+
     async def put(self, key: str, value: bytes) -> None:
         await self._retry("write", lambda: self._client.put(key.encode(), bytes(value)))
 

@@ -109,11 +109,30 @@ class LeaderElection:
         """Set by the leader-key watch on every change: wakes a campaigning standby."""
         self._watcher: asyncio.Task[None] | None = None
         self._closing = False
+        self._planted: bytes | None = None
+        """The leader key's value at the last read when it had no lease (see `leader`)."""
+        self._warned_planted: bytes | None = None
 
     async def leader(self) -> pb.LeaderRecord | None:
-        """The current leader as the store has it (None: no leader right now)."""
-        raw = await self.store.get(self.leader_key)
-        return None if raw is None else pb.LeaderRecord.FromString(raw)
+        """The current leader as the store has it (None: no leader right now).
+
+        A leader key without a lease is no leader: an election only ever writes it on a
+        lease (so it goes with its holder), and one without was planted, by hand or by
+        whoever could write the store. It is ignored (never handed to agents as a leader
+        hint) and a campaign overwrites it."""
+        found = await self.store.get_leased(self.leader_key)
+        self._planted = None
+        if found is None:
+            return None
+        raw, lease = found
+        if not lease:
+            self._planted = raw
+            if raw != self._warned_planted:
+                self._warned_planted = raw
+                log.warning("ignoring a leader key without a lease (not written by an "
+                            "election): %r", raw[:80])
+            return None
+        return pb.LeaderRecord.FromString(raw)
 
     def holds(self) -> bool:
         """True while this controller may act as leader (local lease clock; no I/O)."""
@@ -187,7 +206,7 @@ class LeaderElection:
                                  controller_id=self.controller_id, elected_at=time.time())
         value = record.SerializeToString()
         won = await self.store.transaction(
-            [(self.leader_key, None), (self.term_key, raw_term)],
+            [(self.leader_key, self._planted), (self.term_key, raw_term)],
             [Write(self.leader_key, value, lease), Write(self.term_key, str(term).encode())])
         if not won and await self.store.get(self.leader_key) == value:
             won = True  # a retried transaction found its own earlier success
@@ -259,6 +278,9 @@ class LeaderStore(Store):
 
     async def get(self, key: str) -> bytes | None:
         return await self._inner.get(key)
+
+    async def get_leased(self, key: str) -> tuple[bytes, int] | None:
+        return await self._inner.get_leased(key)
 
     async def get_prefix(self, prefix: str) -> list[tuple[str, bytes]]:
         return await self._inner.get_prefix(prefix)

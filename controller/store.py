@@ -54,6 +54,10 @@ class Store(abc.ABC):
         """The value at `key`, or None."""
 
     @abc.abstractmethod
+    async def get_leased(self, key: str) -> tuple[bytes, int] | None:
+        """The value at `key` and the lease it is attached to (0: none), or None."""
+
+    @abc.abstractmethod
     async def put(self, key: str, value: bytes) -> None:
         """Store `value` at `key` durably before returning."""
 
@@ -129,8 +133,13 @@ class MemoryStore(Store):
         self._revision = 0
         self._watchers: dict[str, list[asyncio.Queue[KeyChange]]] = {}
 
-    def _set(self, key: str, value: bytes | None) -> None:
-        """Every mutation goes through here, so watchers see each one."""
+    def _set(self, key: str, value: bytes | None, lease: int = 0) -> None:
+        """Every mutation goes through here, so watchers see each one. As in etcd, a put
+        attaches the key to `lease` and detaches it from any other (0: none)."""
+        for keys in self._leased_keys.values():
+            keys.discard(key)
+        if lease and value is not None:
+            self._leased_keys.setdefault(lease, set()).add(key)
         if value is None:
             if self._data.pop(key, None) is None:
                 return  # deleting an absent key changes nothing
@@ -177,6 +186,13 @@ class MemoryStore(Store):
         self._expire()
         return self._data.get(key)
 
+    async def get_leased(self, key: str) -> tuple[bytes, int] | None:
+        self._expire()
+        value = self._data.get(key)
+        if value is None:
+            return None
+        return value, next((lease for lease, keys in self._leased_keys.items() if key in keys), 0)
+
     async def put(self, key: str, value: bytes) -> None:
         self._set(key, value)
 
@@ -205,9 +221,7 @@ class MemoryStore(Store):
         if any(w.lease and w.lease not in self._leases for w in writes):
             return False  # etcd refuses a put on an unknown lease; so do we
         for w in writes:
-            self._set(w.key, w.value)
-            if w.lease:
-                self._leased_keys.setdefault(w.lease, set()).add(w.key)
+            self._set(w.key, w.value, w.lease)
         return True
 
     async def grant_lease(self, ttl_s: int) -> int:

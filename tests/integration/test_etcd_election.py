@@ -12,6 +12,7 @@ from recover.controller.etcd_store import EtcdStore
 from recover.controller.leader import ElectionConfig, LeaderElection, LeaderStore, LostLeadership
 from recover.controller.store import Write
 from tests.etcd_cluster import EtcdCluster
+from tests.unit.test_leader import a_planted_leader_key_is_ignored
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,6 +47,7 @@ def test_etcd_election_expiry_revoke_and_fencing(tmp_path: Path) -> None:
         assert time.monotonic() - started < 0.5  # revoked: no TTL to wait for
         for election in (a, b, c):
             await election.close()
+        await a_planted_leader_key_is_ignored(store)  # the lease is etcd's, read back
         await store.close()
 
     try:

@@ -17,7 +17,7 @@ from recover.controller.leader import (
 )
 from recover.controller.policy import RecoverPolicy
 from recover.controller.records import PersistedJob
-from recover.controller.store import MemoryStore, Write
+from recover.controller.store import MemoryStore, Store, Write
 from recover.controller.takeover import resume_plan
 from recover.proto import pb
 
@@ -83,6 +83,31 @@ def test_election_terms_increase_and_a_deposed_leader_cannot_write() -> None:
             await election.close()
 
     asyncio.run(scenario())
+
+
+async def a_planted_leader_key_is_ignored(store: Store, job: str = "p") -> None:
+    """A leader key written without a lease (planted by whoever can write the store) is no
+    leader: not reported, not handed to agents, and overwritten by the next campaign. Also
+    run on a real etcd (tests/integration/test_etcd_election.py)."""
+    key = f"/recover/{job}/leader"
+    planted = pb.LeaderRecord(term=99, address="203.0.113.9:1", controller_id="mallory")
+    await store.put(key, planted.SerializeToString())
+    assert await store.get_leased(key) == (planted.SerializeToString(), 0)
+    a = LeaderElection(store, job, "a:1", "a", ElectionConfig(ttl_s=5))
+    assert await a.leader() is None
+    assert await asyncio.wait_for(a.campaign(), 5) == 1
+    leader = await a.leader()
+    assert leader is not None and leader.controller_id == "a"
+    found = await store.get_leased(key)
+    assert found is not None and found[1] == a.lease != 0
+    # Written over again without a lease (even a copy of the real record): ignored again.
+    await store.put(key, found[0])
+    assert await a.leader() is None
+    await a.close()
+
+
+def test_a_planted_leader_key_without_a_lease_is_ignored() -> None:
+    asyncio.run(a_planted_leader_key_is_ignored(MemoryStore()))
 
 
 def test_a_standby_is_woken_by_its_watch_not_by_its_recheck_timer() -> None:
