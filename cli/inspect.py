@@ -50,6 +50,8 @@ def format_status(status: pb.JobStatus) -> str:
         f"on {status.agents} agents" + (f", joining {list(status.joining)}" if status.joining
                                         else ""),
         f"plan        {load or '-'} (replica:microbatches@measured time per microbatch)",
+        *([f"stealing    {status.steals} steals moved {status.microbatches_stolen} "
+           "microbatches"] if status.work_stealing else []),
         f"recoveries  {status.recoveries}",
         f"loss        {status.last_loss:.4f}",
         f"tokens      {status.tokens}",

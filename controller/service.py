@@ -390,4 +390,7 @@ def job_status(c: Coordinator) -> pb.JobStatus:
         agents=sum(a.alive for a in c.agents.values()),
         redos=c.redos,
         joining=sorted(c.joins.joins),
+        work_stealing=c.job.work_stealing,
+        steals=c.steals.steals,
+        microbatches_stolen=c.steals.stolen,
     )

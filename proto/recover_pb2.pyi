@@ -774,7 +774,7 @@ class ReplicaLoad(_message.Message):
     def __init__(self, replica: _Optional[int] = ..., microbatches: _Optional[int] = ..., microbatch_s: _Optional[float] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("state", "reason", "generation", "steps_committed", "steps_total", "live_replicas", "load", "recoveries", "last_loss", "tokens", "elapsed_s", "agents", "job_id", "redos", "role", "term", "leader", "joining")
+    __slots__ = ("state", "reason", "generation", "steps_committed", "steps_total", "live_replicas", "load", "recoveries", "last_loss", "tokens", "elapsed_s", "agents", "job_id", "redos", "role", "term", "leader", "joining", "work_stealing", "steals", "microbatches_stolen")
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -793,6 +793,9 @@ class JobStatus(_message.Message):
     TERM_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
     JOINING_FIELD_NUMBER: _ClassVar[int]
+    WORK_STEALING_FIELD_NUMBER: _ClassVar[int]
+    STEALS_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCHES_STOLEN_FIELD_NUMBER: _ClassVar[int]
     state: str
     reason: str
     generation: int
@@ -811,7 +814,10 @@ class JobStatus(_message.Message):
     term: int
     leader: str
     joining: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, state: _Optional[str] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., steps_committed: _Optional[int] = ..., steps_total: _Optional[int] = ..., live_replicas: _Optional[_Iterable[int]] = ..., load: _Optional[_Iterable[_Union[ReplicaLoad, _Mapping]]] = ..., recoveries: _Optional[int] = ..., last_loss: _Optional[float] = ..., tokens: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., agents: _Optional[int] = ..., job_id: _Optional[str] = ..., redos: _Optional[int] = ..., role: _Optional[str] = ..., term: _Optional[int] = ..., leader: _Optional[str] = ..., joining: _Optional[_Iterable[int]] = ...) -> None: ...
+    work_stealing: bool
+    steals: int
+    microbatches_stolen: int
+    def __init__(self, state: _Optional[str] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., steps_committed: _Optional[int] = ..., steps_total: _Optional[int] = ..., live_replicas: _Optional[_Iterable[int]] = ..., load: _Optional[_Iterable[_Union[ReplicaLoad, _Mapping]]] = ..., recoveries: _Optional[int] = ..., last_loss: _Optional[float] = ..., tokens: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., agents: _Optional[int] = ..., job_id: _Optional[str] = ..., redos: _Optional[int] = ..., role: _Optional[str] = ..., term: _Optional[int] = ..., leader: _Optional[str] = ..., joining: _Optional[_Iterable[int]] = ..., work_stealing: _Optional[bool] = ..., steals: _Optional[int] = ..., microbatches_stolen: _Optional[int] = ...) -> None: ...
 
 class EventsRequest(_message.Message):
     __slots__ = ("after_seq",)

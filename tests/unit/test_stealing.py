@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 
 from recover.agent import fencing
+from recover.cli.inspect import format_status
 from recover.controller.metrics import ControllerCollector
 from recover.controller.records import PersistedJob, Records
+from recover.controller.service import job_status
 from recover.controller.stealflow import StealBook
 from recover.controller.stealing import Member, decide, last_open, split_unstarted
 from recover.controller.view import JobView
@@ -229,6 +231,7 @@ async def test_the_coordinator_steals_stores_the_plan_and_commits_what_moved() -
     metrics = {m.name: m for m in ControllerCollector(c).collect()}
     assert metrics["recover_steals"].samples[0].value == 1
     assert metrics["recover_microbatches_stolen"].samples[0].value == 1
+    assert "stealing    1 steals moved 1 microbatches" in format_status(job_status(c))
 
 
 @scenario
