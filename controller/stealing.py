@@ -21,8 +21,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-DEFAULT_LATENCY_S = 0.002
+DEFAULT_LATENCY_S = 0.005
 """A Release's round trip through the agents (controller -> giver -> controller -> taker)."""
+MARGIN = 0.25
+"""A microbatch moves only if that ends the giver's part sooner by at least this fraction of
+one of its microbatches: a steal between replicas of about the same speed would gain
+nothing and cost a round trip (equal but noisy replicas keep their shares)."""
 
 
 @dataclass(frozen=True)
@@ -117,8 +121,8 @@ def split_unstarted(giver: Member, takers: Sequence[Member], now: float,
         if not free:
             break
         best = min(free, key=lambda r: (free[r] + speed[r], r))
-        if free[best] + speed[best] >= giver_end - 1e-9:
-            break  # moving it would not end the giver's part any sooner than the taker's
+        if free[best] + speed[best] > giver_end - MARGIN * giver_pace:
+            break  # the taker would end it hardly sooner than the giver (or later)
         free[best] += speed[best]
         giver_end -= giver_pace
         takes.setdefault(best, []).insert(0, mb)
