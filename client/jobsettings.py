@@ -281,8 +281,13 @@ SETTINGS: tuple[Setting, ...] = (
                 "point whatever the gradient dtype)")),
     Setting("--check-determinism", "check_determinism", action="toggle",
             help="compute microbatch 0 twice before training and compare the gradients "
-                 "bitwise, on every replica (default: on with --reduce exact)",
-            to_proto=lambda v, a: {"check_determinism": a.reduce == "exact" if v is None else v}),
+                 "bitwise, on every replica (default: on with --reduce exact; in fast mode "
+                 "only its batch is loaded twice and compared); --no-check-determinism skips "
+                 "both",
+            to_proto=lambda v, a: {"check_determinism": a.reduce == "exact" if v is None else v,
+                                   "skip_batch_check": v is False},
+            to_flags=lambda job: ["--check-determinism"] if job.check_determinism else
+            ["--no-check-determinism"] if job.skip_batch_check else []),
     Setting("--record-sample-ids", "record_sample_ids", action="store_true", default=False,
             help="keep every step's sample ids in the ledger and summary.json, not only their "
                  "digest"),

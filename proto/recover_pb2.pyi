@@ -53,7 +53,7 @@ class TestingConfig(_message.Message):
     def __init__(self, faults: _Optional[_Iterable[_Union[FaultSpec, _Mapping]]] = ..., compute_ms: _Optional[float] = ..., slowdowns: _Optional[_Iterable[_Union[SlowdownSpec, _Mapping]]] = ...) -> None: ...
 
 class JobConfig(_message.Message):
-    __slots__ = ("job_id", "replicas", "steps", "global_microbatches", "seed", "reduce", "group_timeout_s", "policy", "hang_timeout_s", "hang_factor", "first_microbatch_grace_s", "workload", "testing", "reduce_dtype", "check_determinism", "record_sample_ids", "min_replicas", "spares", "checkpoint", "resume", "ranks_per_replica", "work_stealing")
+    __slots__ = ("job_id", "replicas", "steps", "global_microbatches", "seed", "reduce", "group_timeout_s", "policy", "hang_timeout_s", "hang_factor", "first_microbatch_grace_s", "workload", "testing", "reduce_dtype", "check_determinism", "skip_batch_check", "record_sample_ids", "min_replicas", "spares", "checkpoint", "resume", "ranks_per_replica", "work_stealing")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,7 @@ class JobConfig(_message.Message):
     TESTING_FIELD_NUMBER: _ClassVar[int]
     REDUCE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     CHECK_DETERMINISM_FIELD_NUMBER: _ClassVar[int]
+    SKIP_BATCH_CHECK_FIELD_NUMBER: _ClassVar[int]
     RECORD_SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
     MIN_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     SPARES_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +92,7 @@ class JobConfig(_message.Message):
     testing: TestingConfig
     reduce_dtype: str
     check_determinism: bool
+    skip_batch_check: bool
     record_sample_ids: bool
     min_replicas: int
     spares: int
@@ -98,7 +100,7 @@ class JobConfig(_message.Message):
     resume: ResumePoint
     ranks_per_replica: int
     work_stealing: bool
-    def __init__(self, job_id: _Optional[str] = ..., replicas: _Optional[int] = ..., steps: _Optional[int] = ..., global_microbatches: _Optional[int] = ..., seed: _Optional[int] = ..., reduce: _Optional[str] = ..., group_timeout_s: _Optional[float] = ..., policy: _Optional[str] = ..., hang_timeout_s: _Optional[float] = ..., hang_factor: _Optional[float] = ..., first_microbatch_grace_s: _Optional[float] = ..., workload: _Optional[_Union[WorkloadSpec, _Mapping]] = ..., testing: _Optional[_Union[TestingConfig, _Mapping]] = ..., reduce_dtype: _Optional[str] = ..., check_determinism: _Optional[bool] = ..., record_sample_ids: _Optional[bool] = ..., min_replicas: _Optional[int] = ..., spares: _Optional[int] = ..., checkpoint: _Optional[_Union[CheckpointConfig, _Mapping]] = ..., resume: _Optional[_Union[ResumePoint, _Mapping]] = ..., ranks_per_replica: _Optional[int] = ..., work_stealing: _Optional[bool] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., replicas: _Optional[int] = ..., steps: _Optional[int] = ..., global_microbatches: _Optional[int] = ..., seed: _Optional[int] = ..., reduce: _Optional[str] = ..., group_timeout_s: _Optional[float] = ..., policy: _Optional[str] = ..., hang_timeout_s: _Optional[float] = ..., hang_factor: _Optional[float] = ..., first_microbatch_grace_s: _Optional[float] = ..., workload: _Optional[_Union[WorkloadSpec, _Mapping]] = ..., testing: _Optional[_Union[TestingConfig, _Mapping]] = ..., reduce_dtype: _Optional[str] = ..., check_determinism: _Optional[bool] = ..., skip_batch_check: _Optional[bool] = ..., record_sample_ids: _Optional[bool] = ..., min_replicas: _Optional[int] = ..., spares: _Optional[int] = ..., checkpoint: _Optional[_Union[CheckpointConfig, _Mapping]] = ..., resume: _Optional[_Union[ResumePoint, _Mapping]] = ..., ranks_per_replica: _Optional[int] = ..., work_stealing: _Optional[bool] = ...) -> None: ...
 
 class CheckpointConfig(_message.Message):
     __slots__ = ("dir", "every_steps", "every_s", "keep")

@@ -46,6 +46,7 @@ from recover.trainer import sharding, standalone
 from recover.trainer.buffers import BUFFER_MODES, reduced_buckets
 from recover.trainer.channel import AgentChannel, ChannelClosed
 from recover.trainer.checkpoint import CheckpointWriter
+from recover.trainer.determinism import check_batch
 from recover.trainer.determinism import check_determinism as run_determinism_check
 from recover.trainer.errors import WorkloadError, contract_error
 from recover.trainer.executor import StepExecutor
@@ -223,7 +224,9 @@ def train(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     extra_state: name -> object with ``state_dict()``/``load_state_dict()`` that joins and
         restores carry along with the model, optimizer and scheduler.
     check_determinism: compute microbatch 0 twice before training and compare bitwise
-        (default: the job's setting, on in exact mode).
+        (default: the job's setting, on in exact mode; otherwise microbatch 0's batch is
+        still loaded twice and compared, unless the job says --no-check-determinism);
+        False skips both.
     buffers: the model's buffers (BatchNorm statistics, ...). "reduce" (default): every
         microbatch's forward starts from the committed buffers and the step commits the mean
         of their updates, reduced like gradients (exactly in exact mode), so buffers are in
@@ -270,6 +273,8 @@ def train(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
         if lockstep is None:  # a replica of several ranks is never sent nor checkpointed (yet)
             _check_state_travels(executor)
         wanted = proto.check_determinism if check_determinism is None else check_determinism
+        if not wanted and check_determinism is None and not proto.skip_batch_check:
+            check_batch(workload)  # fast mode: the same microbatches, if not the same bits
         if wanted:  # on the model as built: every replica, joiners too, checks the same thing
             checked = run_determinism_check(workload, grads, step=0)
             info.determinism_sha256 = checked.gradient_sha256 if lockstep is None \

@@ -68,11 +68,18 @@ def test_job_to_args_round_trips_command_config_and_ledger_settings() -> None:
     assert json.loads(again.workload.config_json) == {"a": [1, 2]}
 
 
-def test_check_determinism_defaults_on_in_exact_mode_only() -> None:
-    assert parse(["--reduce", "exact"]).check_determinism
-    assert not parse([]).check_determinism
-    assert parse(["--check-determinism"]).check_determinism
-    assert not parse(["--reduce", "exact", "--no-check-determinism"]).check_determinism
+@pytest.mark.parametrize(("flags", "gradient", "batch"), [
+    (["--reduce", "exact"], True, True),
+    ([], False, True),  # fast mode: the batch is loaded twice and compared, nothing computed
+    (["--check-determinism"], True, True),
+    (["--reduce", "exact", "--no-check-determinism"], False, False),
+    (["--no-check-determinism"], False, False),
+])
+def test_the_determinism_check_by_mode(flags: list[str], gradient: bool, batch: bool) -> None:
+    job = parse(flags)
+    assert job.check_determinism is gradient
+    assert (job.check_determinism or not job.skip_batch_check) is batch
+    assert parse(job_to_args(job)) == job  # and back to the same flags
 
 
 def test_a_job_file_sets_every_kind_of_setting(tmp_path: Path) -> None:
