@@ -4,8 +4,8 @@ The decisions are stealing.py's; this module keeps what the controller heard of 
 member in the step in flight (`StealBook`, reset by every generation and commit) and the
 transitions that carry the decisions out. In order, for one steal:
 
-1. an idle member's last Progress shows its share done: `stealing.decide` picks a giver
-   and splits its last unstarted microbatches among the takers;
+1. a member's Progress shows it idle or on its last microbatch: `stealing.decide` picks
+   a giver and splits its last unstarted microbatches among the takers;
 2. the giver is sent a Release of them (`steer`), and is asked nothing else until it
    answers;
 3. the giver, between two microbatches, drops those it has not started and answers

@@ -131,11 +131,12 @@ def split_unstarted(giver: Member, takers: Sequence[Member], now: float,
 
 def decide(members: Mapping[int, Member], now: float,
            latency_s: float = DEFAULT_LATENCY_S) -> Decisions:
-    """Steals and closes: once a member is idle, the members predicted to finish last give
-    their unstarted microbatches to those that would finish them sooner (an idle member, or
-    one about to be), and an idle member nothing is left for is closed; an idle member that
-    could get something once a pending Release is answered waits for it. Once no member
-    holds an unstarted microbatch, every member is closed, busy or not."""
+    """Steals and closes: once a member is idle or on its last microbatch, the members
+    predicted to finish last give their unstarted microbatches to those that would finish
+    them sooner (idle members, or members about to be), and an idle member nothing is left
+    for is closed; an idle member that could get something once a pending Release is
+    answered waits for it. Once no member holds an unstarted microbatch, every member is
+    closed, busy or not."""
     idle = [m for m in members.values() if m.idle and not m.closed and not m.taking]
     settled = [m for m in members.values() if not (m.closed or m.giving or m.taking)]
     if not any(m.giving or m.taking for m in members.values()) and \
@@ -145,7 +146,10 @@ def decide(members: Mapping[int, Member], now: float,
         # to finish then needs no round trip to learn it).
         return Decisions(close={m.replica: f"replica {m.replica}: no member holds a "
                                            "microbatch it has not started" for m in settled})
-    if not idle:
+    # A member on its last microbatch is about to be idle: deciding then, not once it is,
+    # lets the Release reach a giver before it starts another microbatch.
+    ready = [m for m in members.values() if not (m.closed or m.taking) and not m.unstarted]
+    if not ready:
         return Decisions()
     busy = {m.replica for m in members.values() if m.giving or m.taking or m.closed}
     steals: list[Steal] = []
@@ -156,8 +160,8 @@ def decide(members: Mapping[int, Member], now: float,
             continue  # it takes in a steal decided above
         takers = [m for m in members.values() if m.replica != giver.replica
                   and m.replica not in busy and m.finish(now) < giver.finish(now)]
-        if not any(t.idle for t in takers):
-            continue  # nobody idle yet: stealing starts when someone runs out
+        if not any(not t.unstarted for t in takers):
+            continue  # nobody near the end of its share yet: nobody to take
         takes = split_unstarted(giver, takers, now, latency_s)
         if not takes:
             continue

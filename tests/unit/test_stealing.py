@@ -263,3 +263,15 @@ def test_members_of_about_the_same_speed_steal_nothing() -> None:
                1: member(1, range(4, 8), 2, 0.0525, NOW - 0.01)}
     got = decide(members, NOW)
     assert got.steals == () and set(got.close) == {0}
+
+
+def test_a_steal_is_decided_before_the_takers_are_idle() -> None:
+    # Replicas 0 and 1 are on their last microbatch (done in 20 ms); replica 2, twice as
+    # slow, is on its second of four. Deciding now, not once 0 and 1 are idle, gets the
+    # Release to replica 2 before it starts its third: both of its last two can move.
+    members = {0: member(0, range(0, 4), 3, 0.05, NOW - 0.03),
+               1: member(1, range(4, 8), 3, 0.05, NOW - 0.03),
+               2: member(2, range(8, 12), 1, 0.1, NOW - 0.05)}
+    got = decide(members, NOW)
+    assert [(s.giver, dict(s.takes)) for s in got.steals] == [(2, {0: (11,), 1: (10,)})]
+    assert not got.close  # nobody is idle: nobody is closed yet
