@@ -110,8 +110,9 @@ def split_unstarted(giver: Member, takers: Sequence[Member], now: float,
                     latency_s: float = DEFAULT_LATENCY_S) -> dict[int, tuple[int, ...]]:
     """Which of the giver's unstarted microbatches each taker should compute (list
     scheduling from the giver's end): one moves while the taker that would finish it
-    earliest finishes before the giver would with it. A taker starts on them once the giver,
-    at its next microbatch boundary, has released them and the news has reached it."""
+    earliest finishes at least MARGIN of a giver's microbatch before the giver would with
+    it. A taker starts on them once the giver, at its next microbatch boundary, has released
+    them and the news has reached it."""
     giver_end, giver_pace = giver.finish(now), giver.pace(now)
     start = giver.boundary(now) + latency_s
     free = {t.replica: max(t.finish(now), start) for t in takers}
