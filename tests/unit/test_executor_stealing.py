@@ -40,6 +40,10 @@ class StealingController(FakeController):
 
     asked: list[int] = field(default_factory=list)
     gate: threading.Event = field(default_factory=threading.Event)
+    """Opened once the Release is sent: the giver goes on."""
+    at_gate: threading.Event = field(default_factory=threading.Event)
+    """Set by the giver when it reaches the gate: the Release is sent only then, so where
+    the giver is when it reads it does not depend on how the threads were scheduled."""
     idle: set[int] = field(default_factory=set)
     stealing: bool = False
     released: list[int] | None = None
@@ -77,6 +81,7 @@ class StealingController(FakeController):
             if self.step == STEAL_STEP and self.released is None:
                 if {TAKER, BYSTANDER} <= self.idle and not self.stealing:
                     self.stealing = True
+                    assert self.at_gate.wait(SAFETY_S), "the giver never reached its gate"
                     self.send([GIVER], release=pb.Release(
                         generation=self.generation, step=self.step, replica=GIVER, steal=1,
                         microbatch_ids=self.asked))
@@ -105,11 +110,12 @@ class Gate(StepHooks):
     """Holds the giver after its `position`-th microbatch of STEAL_STEP until the fake
     controller has sent the Release (which the giver then reads at the boundary)."""
 
-    def __init__(self, gate: threading.Event, position: int) -> None:
-        self.gate, self.position = gate, position
+    def __init__(self, gate: threading.Event, at_gate: threading.Event, position: int) -> None:
+        self.gate, self.at_gate, self.position = gate, at_gate, position
 
     def after_microbatch(self, step: int, position: int, count: int, grads: Any) -> None:
         if step == STEAL_STEP and position == self.position:
+            self.at_gate.set()
             assert self.gate.wait(SAFETY_S), "the fake controller never sent the release"
 
 
@@ -130,7 +136,7 @@ def steal(asked_positions: slice, gate_after: int) -> tuple[Run, StealingControl
         fake = made[0]
         share = fake.uniform(list(range(len(executors))))[GIVER]
         fake.asked = share[asked_positions]
-        executors[GIVER].hooks = Gate(fake.gate, gate_after)
+        executors[GIVER].hooks = Gate(fake.gate, fake.at_gate, gate_after)
 
     run = train(controller_of=controller, prepare=prepare)
     return run, made[0]
