@@ -123,19 +123,38 @@ def slurm(tmp_path: Path) -> Iterator[dict[str, str]]:
         log.close()
 
 
+def job_end(env: dict[str, str], job_id: str, timeout_s: float) -> tuple[str, str]:
+    """(JobState, ExitCode) of a Slurm job once it has ended."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=env,
+                               capture_output=True, text=True, timeout=30).stdout
+        fields = dict(f.split("=", 1) for f in shown.split() if "=" in f)
+        if fields.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT",
+                                      "NODE_FAIL", "OUT_OF_MEMORY"):
+            return fields["JobState"], fields.get("ExitCode", "")
+        time.sleep(0.5)
+    pytest.fail(f"Slurm job {job_id} did not end in {timeout_s:.0f}s")
+
+
 def test_the_batch_script_trains_through_a_killed_worker(slurm: dict[str, str],
                                                           tmp_path: Path) -> None:
     out = tmp_path / "out"
     env = dict(slurm, RECOVER_BIN=f"{sys.executable} -m recover.cli.main",
                RECOVER_HOST="127.0.0.1", RECOVER_OUT=str(out), RECOVER_TLS="1",
                RECOVER_SLOTS="2", RECOVER_AGENT_FLAGS="--max-restarts 1")
-    result = subprocess.run(
-        ["sbatch", "--wait", "--nodes", "2", str(REPO / "deploy" / "slurm" / "recover.sbatch"),
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", "--nodes", "2",
+         str(REPO / "deploy" / "slurm" / "recover.sbatch"),
          "--replicas", "3", "--steps", "12", "-M", "6", "-B", "2", "--compute-ms", "20",
          "--kill", "step=4,replica=1,phase=backward"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    # Polled here rather than with `sbatch --wait`, whose own polls back off to 10 s apart
+    # (the test took 10 s or 42 s for the same job).
+    state, exit_code = job_end(env, submitted.stdout.strip().split(";")[0], timeout_s=400)
     batch_output = "\n".join(p.read_text() for p in tmp_path.glob("recover-*.out"))
-    assert result.returncode == 0, result.stderr + batch_output
+    assert (state, exit_code) == ("COMPLETED", "0:0"), batch_output
     assert "the job ended succeeded" in batch_output, batch_output
     summary = json.loads((out / "summary.json").read_text())
     assert summary["state"] == "succeeded"
