@@ -406,7 +406,7 @@ class Coordinator:
 
     def _steer(self) -> None:
         moves = self.steals.decide(self._clock())
-        if moves.releases or moves.close:
+        if moves.steals or moves.close:
             shares = {m: member.share for m, member in self.steals.members.items()}
             self._run_now(stealflow.steer, moves, shares)
 

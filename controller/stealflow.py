@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from recover.controller import effects
 from recover.controller.jobstate import plan_message
 from recover.controller.policy import PlanDecision
 from recover.controller.stealing import (
     DEFAULT_LATENCY_S,
+    Decisions,
     Member,
     Steal,
     after_release,
@@ -39,14 +40,6 @@ from recover.controller.stealing import (
 )
 from recover.controller.view import Draft, JobView
 from recover.proto import pb
-
-
-@dataclass(frozen=True)
-class Moves:
-    """What to send: Releases, and closed shares (replica -> why)."""
-
-    releases: tuple[Steal, ...] = ()
-    close: Mapping[int, str] = field(default_factory=dict)
 
 
 class StealBook:
@@ -126,12 +119,12 @@ class StealBook:
                                           since=now if member.idle and ids else member.since)
         return replace(pending, takes=takes)
 
-    def decide(self, now: float) -> Moves:
-        """The Releases and closes the book's state calls for now."""
+    def decide(self, now: float) -> Decisions:
+        """The Releases (steals, numbered) and closes the book's state calls for now."""
         if self._key is None:
-            return Moves()
+            return Decisions()
         decisions = decide(self.members, now, self.latency_s)
-        releases = []
+        numbered = []
         for steal in decisions.steals:
             pending = replace(steal, number=self._next_steal)
             self._next_steal += 1
@@ -139,7 +132,7 @@ class StealBook:
             self.members[steal.giver] = replace(self.members[steal.giver], giving=True)
             for taker in steal.takes:
                 self.members[taker] = replace(self.members[taker], taking=True)
-            releases.append(pending)
+            numbered.append(pending)
         close = dict(decisions.close)
         for replica in close:
             self.members[replica] = replace(self.members[replica], closed=True)
@@ -147,16 +140,16 @@ class StealBook:
         if last is not None:
             self.members[last] = replace(self.members[last], closed=True)
             close[last] = f"replica {last} is the last open member: nobody is left to take from it"
-        return Moves(tuple(releases), close)
+        return Decisions(tuple(numbered), close)
 
 
 # ------------------------------------------------------------------ transitions
 
 
-def steer(d: Draft, moves: Moves, shares: Mapping[int, tuple[int, ...]]) -> None:
+def steer(d: Draft, moves: Decisions, shares: Mapping[int, tuple[int, ...]]) -> None:
     """Send the Releases and closes `StealBook.decide` asked for."""
     v = d.v
-    for p in moves.releases:
+    for p in moves.steals:
         d.send(v.replicas[p.giver].agent_id, pb.ControllerMessage(release=pb.Release(
             generation=v.generation, step=v.step, replica=p.giver, steal=p.number,
             microbatch_ids=p.microbatch_ids)))

@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from recover.cli.verify import compare
+from recover.proto import pb, rpc
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -135,3 +137,19 @@ class Processes:
             if process.poll() is None:
                 process.kill()
                 process.wait()
+
+
+def control_status(address: str) -> pb.JobStatus | None:
+    """The controller's Status, asked in this process (None while it does not answer yet): a
+    poll loop of `recover status` processes would take the CPU the job under test needs."""
+    try:
+        with grpc.insecure_channel(address) as channel:
+            return rpc.ControlStub(channel).Status(pb.StatusRequest(), timeout=2)
+    except grpc.RpcError:
+        return None
+
+
+def control_events(address: str) -> list[pb.Event]:
+    """The controller's events, asked in this process."""
+    with grpc.insecure_channel(address) as channel:
+        return list(rpc.ControlStub(channel).Events(pb.EventsRequest(), timeout=5).events)

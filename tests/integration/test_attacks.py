@@ -21,6 +21,7 @@ from recover.proto import pb, rpc
 from tests.integration.conftest import (
     alive,
     assert_bitwise_identical,
+    control_status,
     recover_cmd,
     run_recover,
     wait_for,
@@ -54,14 +55,6 @@ class Rogue:
         self.channel.close()
 
 
-def status(address: str) -> pb.JobStatus | None:
-    try:
-        with grpc.insecure_channel(address) as channel:
-            return rpc.ControlStub(channel).Status(pb.StatusRequest(), timeout=2)
-    except grpc.RpcError:
-        return None
-
-
 def job_processes(marker: str) -> list[str]:
     out = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True).stdout
     return [line for line in out.splitlines() if "pgrep" not in line]
@@ -78,7 +71,7 @@ def test_impostors_forged_reports_and_strangers_change_nothing(tmp_path: Path) -
         port = wait_for(lambda: (out / "controller.port").exists()
                         and (out / "controller.port").read_text(), 60, "the controller")
         address = f"127.0.0.1:{port}"
-        wait_for(lambda: (s := status(address)) is not None and s.steps_committed >= 3
+        wait_for(lambda: (s := control_status(address)) is not None and s.steps_committed >= 3
                  and len(s.live_replicas) == 2, 90, "step 3 on two replicas")
         # 1. Impersonation: a registration claiming a live agent's id.
         impostor = Rogue(address, pb.AgentMessage(register=pb.RegisterAgent(
@@ -92,7 +85,7 @@ def test_impostors_forged_reports_and_strangers_change_nothing(tmp_path: Path) -
         rogue = Rogue(address, pb.AgentMessage(register=pb.RegisterAgent(
             agent_id="rogue", host="evil", slots=1)))
         registered = rogue.first_reply().registered
-        forged_step = status(address).steps_committed  # type: ignore[union-attr]
+        forged_step = control_status(address).steps_committed  # type: ignore[union-attr]
         for message in (
                 pb.AgentMessage(worker_exited=pb.WorkerExited(replica=0, signal=9)),
                 pb.AgentMessage(report=pb.WorkerReport(replica=1, reduced=pb.Reduced(
@@ -168,7 +161,7 @@ def test_no_process_of_the_job_outlives_its_launcher(tmp_path: Path) -> None:
             out = outs[how]
             port = wait_for(lambda out=out: (out / "controller.port").exists()
                             and (out / "controller.port").read_text(), 60, f"{how}: the controller")
-            wait_for(lambda port=port: (s := status(f"127.0.0.1:{port}")) is not None
+            wait_for(lambda port=port: (s := control_status(f"127.0.0.1:{port}")) is not None
                      and s.steps_committed >= 2, 90, f"{how}: training")
             lines = job_processes(str(out))
             assert len(lines) >= 4, how  # launcher, controller, agent, zygote

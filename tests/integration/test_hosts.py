@@ -15,10 +15,8 @@ from typing import Any
 import pytest
 
 from recover.cli.inspect import to_json
-from recover.client.connect import ControllerUnreachable, connect
-from recover.proto import pb
 from tests.etcd_cluster import free_port
-from tests.integration.conftest import recover_cmd, wait_for
+from tests.integration.conftest import control_events, control_status, recover_cmd, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -30,35 +28,12 @@ def status_or_none(address: str, netns: str | None = None) -> dict[str, Any] | N
     CPU the job under test needs (the command itself is tested where its output is read).
     Inside network namespace `netns` only a process can ask: `recover status` then."""
     if netns is None:
-        return _ask(address, lambda stub: [stub.Status(pb.StatusRequest(), timeout=5)])[0] \
-            if _reachable(address) else None
+        status = control_status(address)
+        return None if status is None else json.loads(to_json(status))
     prefix = ["ip", "netns", "exec", netns]
     out = subprocess.run([*prefix, *recover_cmd("status", "--controller", address, "--json")],
                          capture_output=True, text=True, timeout=30)
     return json.loads(out.stdout.splitlines()[0]) if out.returncode == 0 else None
-
-
-def _reachable(address: str) -> bool:
-    try:
-        channel, _ = connect(address, timeout_s=2.0)
-    except ControllerUnreachable:
-        return False
-    channel.close()
-    return True
-
-
-def _ask(address: str, call: Any) -> list[dict[str, Any]]:
-    """Messages from the controller's Control service, as the CLI's --json prints them."""
-    channel, stub = connect(address, timeout_s=5.0)
-    try:
-        return [json.loads(to_json(m)) for m in call(stub)]
-    finally:
-        channel.close()
-
-
-def events(address: str) -> list[dict[str, Any]]:
-    """`recover events --json`, asked in this process (see status_or_none)."""
-    return _ask(address, lambda stub: stub.Events(pb.EventsRequest(), timeout=5).events)
 
 
 def job_state(address: str) -> str | None:
@@ -122,7 +97,8 @@ def test_host_loss_kill_and_stop(tmp_path: Path) -> None:
         os.kill(stopped.pid, signal.SIGSTOP)
 
         def lost_events() -> list[dict[str, Any]]:
-            lost = [e for e in events(address) if e["kind"] == "agent-lost"]
+            lost = [json.loads(to_json(e)) for e in control_events(address)
+                    if e.kind == "agent-lost"]
             return lost if len(lost) == 2 else []
 
         # Judged on the controller's own event times (same machine, same clock),

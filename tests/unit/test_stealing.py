@@ -117,9 +117,9 @@ def test_the_book_steals_hands_over_what_was_released_and_closes_the_rest() -> N
     assert not book.progress(2, progress([8], 0.15, generation=2), NOW)  # an older generation
     assert not book.progress(0, progress([0, 12], 0.05), NOW)  # not its share: ignored
     moves = book.decide(NOW)
-    assert [(p.giver, dict(p.takes)) for p in moves.releases] == [(2, {0: (11,), 1: (10,)})]
+    assert [(p.giver, dict(p.takes)) for p in moves.steals] == [(2, {0: (11,), 1: (10,)})]
     assert not moves.close
-    (pending,) = moves.releases
+    (pending,) = moves.steals
     # The giver had started microbatch 10 meanwhile: only 11 is released.
     settled = book.released(2, pb.Released(generation=3, step=7, steal=pending.number,
                                            microbatch_ids=[11]), NOW + 0.01)
@@ -132,14 +132,14 @@ def test_the_book_steals_hands_over_what_was_released_and_closes_the_rest() -> N
     # anywhere, and every member is closed, 0 while it computes 11.
     assert book.members[2].done == 2
     moves = book.decide(NOW + 0.01)
-    assert moves.releases == () and set(moves.close) == {0, 1, 2}
+    assert moves.steals == () and set(moves.close) == {0, 1, 2}
     assert book.decide(NOW + 0.02) == type(moves)()  # said once
 
 
 def test_an_empty_answer_means_the_giver_is_on_its_last_microbatch() -> None:
     book = book_for({0: (0,), 1: (1, 2, 3)}, {0: 0.05, 1: 0.1})
     book.progress(0, progress([0], 0.05), NOW)
-    (pending,) = book.decide(NOW).releases
+    (pending,) = book.decide(NOW).steals
     settled = book.released(1, pb.Released(generation=3, step=7, steal=pending.number), NOW)
     assert settled is not None and settled.microbatch_ids == ()
     assert book.empty_answers == 1 and book.members[1].done == 2
@@ -152,7 +152,7 @@ def test_a_plan_without_work_stealing_keeps_no_book() -> None:
     book = StealBook()
     book.begin(view, NOW, {})
     assert not book.progress(0, progress([0], 0.05, generation=1, step=0), NOW)
-    assert book.decide(NOW).releases == ()
+    assert book.decide(NOW).steals == ()
 
 
 def test_a_new_leader_resumes_the_plan_as_the_last_steal_left_it() -> None:
