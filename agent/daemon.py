@@ -187,7 +187,12 @@ class Agent:
         cfg = self.config
         if cfg.metrics_port is not None:
             self._serve_metrics()
-        session = await self._connect(resume=False)
+        await self._start_warm()  # its imports (seconds) run while we connect
+        try:
+            session = await self._connect(resume=False)
+        except BaseException:
+            await self._close_warm()
+            raise
         server: grpc.aio.Server | None = None
         with tempfile.TemporaryDirectory(prefix="recover-agent-") as socket_dir:
             try:
@@ -195,7 +200,7 @@ class Agent:
                 self._job, self._run_dir = registered.job, Path(socket_dir)
                 server, self._channel_address = await self._serve_workers(registered.job,
                                                                           self._run_dir)
-                await self._start_warm()
+                await self._decide_warm()
                 # Heartbeats first: the first spawn may wait seconds for the warm
                 # interpreter's imports on a busy host.
                 self._tasks += [asyncio.create_task(self._heartbeat()),
@@ -220,8 +225,7 @@ class Agent:
                     task.cancel()
                 await stop_workers(every_process(self.workers), cfg.shutdown_grace_s
                                    if self._shutdown is not None else 0.0)
-                if self._warm is not None:
-                    await self._warm.close()
+                await self._close_warm()
                 self._upstream.put_nowait(None)
                 if server is not None:
                     await server.stop(grace=0.2)
@@ -260,19 +264,34 @@ class Agent:
         return command
 
     async def _start_warm(self) -> None:
+        """Start the warm interpreter before the job is known: its imports are most of a
+        worker's start. Whether the job's command can use it is decided once registered."""
+        if self.config.attach_pid is not None or not self.config.warm_start:
+            return
+        log_path = None
+        if self.config.log_dir:
+            log_path = Path(self.config.log_dir) / f"warm-{self.config.agent_id}.log"
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._warm = WarmStarter(base_environment(), log_path)
+        await self._warm.start()
+
+    async def _decide_warm(self) -> None:
+        """Fork the job's workers from the warm interpreter if its command allows (else end
+        the interpreter: the workers start cold)."""
         if self.config.attach_pid is not None:
             return
         decision = decide_warm_start(resolve_command(self._worker_command()), sys.executable,
                                      self.config.warm_start)
         log.info("%s", decision.reason)
         if decision.target is None:
-            return
-        log_path = None
-        if self.config.log_dir:
-            log_path = Path(self.config.log_dir) / f"warm-{self.config.agent_id}.log"
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._warm = WarmStarter(decision.target, base_environment(), log_path)
-        await self._warm.start()
+            await self._close_warm()
+        elif self._warm is not None:
+            self._warm.target = decision.target
+
+    async def _close_warm(self) -> None:
+        if self._warm is not None:
+            await self._warm.close()
+            self._warm = None
 
     async def _spawn(self, slot: int, replica: int) -> None:
         """Start the worker of `replica` on `slot` and watch it."""

@@ -80,9 +80,11 @@ class ForkedProcess(ReportedExit):
 class WarmStarter:
     """One zygote per agent; `spawn` returns None whenever a worker must start cold."""
 
-    def __init__(self, target: list[str], env: dict[str, str], log_path: Path | None,
+    def __init__(self, env: dict[str, str], log_path: Path | None,
                  preload: tuple[str, ...] | None = None) -> None:
-        self.target = target
+        self.target: list[str] | None = None
+        """What the workers run (decide_warm_start's target): set before the first spawn,
+        which the zygote's imports need not wait for."""
         self._preload = preload
         """Modules the zygote imports before forking; None: its own list (torch, ...)."""
         self._env = env
@@ -122,7 +124,7 @@ class WarmStarter:
 
     async def spawn(self, env: dict[str, str], cwd: str, log_path: Path | None
                     ) -> ForkedProcess | None:
-        if self._ready is None or self._writer is None or self.broken:
+        if self._ready is None or self._writer is None or self.broken or self.target is None:
             return None
         refused = await asyncio.shield(self._ready)
         if refused:

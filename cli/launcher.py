@@ -388,7 +388,7 @@ def _watch(job: LocalJob, addresses: list[str], progress: Progress,
                 if agents and all(job.processes[n].poll() is not None for n in agents):
                     raise LaunchError(f"every agent exited before training started: "
                                       f"{job.log_tail(agents[0])}")
-            time.sleep(0.2)
+            time.sleep(0.1)
     finally:
         if channel is not None:
             channel.close()

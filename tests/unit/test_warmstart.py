@@ -52,7 +52,9 @@ sys.exit(int(os.environ.get("EXIT_CODE", "0")))
 
 
 def _starter(target: list[str], tmp_path: Path, preload: tuple[str, ...] = ()) -> WarmStarter:
-    return WarmStarter(target, dict(os.environ), tmp_path / "zygote.log", preload=preload)
+    starter = WarmStarter(dict(os.environ), tmp_path / "zygote.log", preload=preload)
+    starter.target = target
+    return starter
 
 
 async def _spawn_and_wait(starter: WarmStarter, tmp_path: Path, name: str,
@@ -174,7 +176,8 @@ def test_the_users_own_preloads_are_imported_once_and_a_failing_one_is_skipped(
 
     async def scenario() -> None:
         env = dict(os.environ, RECOVER_PRELOAD="xml.dom.minidom, no_such_module_for_recover")
-        starter = WarmStarter([str(script)], env, tmp_path / "zygote.log", preload=())
+        starter = WarmStarter(env, tmp_path / "zygote.log", preload=())
+        starter.target = [str(script)]
         await starter.start()
         try:
             code, out = await _spawn_and_wait(starter, tmp_path, "w")
