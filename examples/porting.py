@@ -1,7 +1,8 @@
 """A training script as people write them, ported to ReCoVer: mixed precision (bf16
-autocast), `torch.compile`, an LR schedule and clipping, an evaluation every few steps,
-TensorBoard logging and a final save, each on the first replica. README "Porting a
-training script" walks through it; `tests/integration/test_porting.py` runs it with kills.
+autocast, or fp16 with ReCoVer's loss scaling in a GradScaler's place), `torch.compile`, an
+LR schedule and clipping, an evaluation every few steps, TensorBoard logging and a final
+save, each on the first replica. README "Porting a training script" walks through it;
+`tests/integration/test_porting.py` runs it with kills.
 
     recover run --replicas 4 --steps 20 --reduce exact -- python examples/porting.py \\
         --tensorboard runs/tb --eval-every 5 --save runs/final.pt
@@ -22,8 +23,11 @@ import recover.trainer as rt
 parser = argparse.ArgumentParser()
 parser.add_argument("--microbatch-size", type=int, default=8)
 parser.add_argument("--lr", type=float, default=3e-3)
-parser.add_argument("--amp", choices=["bf16", "off"], default="bf16",
-                    help="autocast the forward to bfloat16 (the parameters stay float32)")
+parser.add_argument("--amp", choices=["bf16", "fp16", "off"], default="bf16",
+                    help="autocast the forward to bfloat16 or float16 (the parameters stay "
+                         "float32; fp16 scales the loss)")
+parser.add_argument("--init-scale", type=float, default=2.0 ** 16,
+                    help="fp16: the first step's loss scale")
 parser.add_argument("--compile", choices=["off", "aot_eager", "inductor"], default="off",
                     help="torch.compile backend (inductor needs a C++ compiler on a CPU)")
 parser.add_argument("--eval-every", type=int, default=5)
@@ -40,14 +44,19 @@ warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_it
 # Compile the module ReCoVer computes with; its parameters are the model's own, so the
 # optimizer, the gradient buckets and the state ReCoVer sends are unchanged.
 forward = model if args.compile == "off" else torch.compile(model, backend=args.compile)
+amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
+# fp16's range is small: its gradients need the loss scaled up (what GradScaler does in a
+# plain loop). ReCoVer owns the step, so it owns the scaling: on the reduced gradient, the
+# same steps skipped on every replica.
+loss_scale = rt.LossScale(init_scale=args.init_scale) if args.amp == "fp16" else None
 data = corpus()
 train_set, eval_set = data[:3584], data[3584:]
 
 
 def loss_fn(model, batch):
-    # bf16 autocast around the forward only; the loss is computed in float32. No GradScaler:
-    # bf16 has float32's range (see the README for fp16).
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.amp == "bf16"):
+    # Autocast around the forward only; the loss is computed in float32. No GradScaler: with
+    # fp16, train(loss_scale=...) scales the loss before ReCoVer's backward.
+    with torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None):
         logits = forward(batch[:, :-1])
     return cross_entropy(logits.float(), batch[:, 1:]), batch[:, 1:].numel()
 
@@ -66,10 +75,12 @@ def on_step(info: rt.StepInfo) -> None:
     if writer is not None:
         writer.add_scalar("train/loss", info.loss, info.step)
         writer.add_scalar("train/lr", info.lr, info.step)
+        if info.loss_scale is not None:  # and info.skipped: the gradient was not finite
+            writer.add_scalar("train/loss_scale", info.loss_scale, info.step)
     if (info.step + 1) % args.eval_every:
         return
     model.eval()
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.amp == "bf16"):
+    with torch.no_grad(), torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None):
         eval_loss = float(cross_entropy(model(eval_set[:, :-1]).float(), eval_set[:, 1:]))
     model.train()
     if writer is not None:
@@ -81,7 +92,7 @@ def on_step(info: rt.StepInfo) -> None:
 
 
 result = rt.train(job, model, optimizer, loss_fn=loss_fn, lr_scheduler=warmup,
-                  max_grad_norm=1.0, on_step_committed=on_step,
+                  max_grad_norm=1.0, on_step_committed=on_step, loss_scale=loss_scale,
                   microbatches=rt.DatasetMicrobatches(train_set, args.microbatch_size))
 if writer is not None:
     writer.close()

@@ -20,6 +20,7 @@ _EXPORTS = {
     "Job": "api", "TrainResult": "api", "init": "api", "train": "api",
     "Checkpoint": "checkpoint", "CheckpointError": "checkpoint", "load_checkpoint": "checkpoint",
     "WorkloadError": "errors",
+    "LossScale": "lossscale",
     "EpochSampler": "sampling", "microbatch_seed": "sampling", "sample_digest": "sampling",
     "stable_seed": "sampling",
     "DatasetMicrobatches": "sources", "FunctionMicrobatches": "sources",
@@ -29,7 +30,7 @@ _EXPORTS = {
 }
 __all__ = [
     "Checkpoint", "CheckpointError", "DatasetMicrobatches", "EpochSampler",
-    "FunctionMicrobatches", "Job", "MicrobatchSource",
+    "FunctionMicrobatches", "Job", "LossScale", "MicrobatchSource",
     "Stateful", "StepInfo", "TokenFileDataset", "TrainResult", "WorkloadError", "init",
     "load_checkpoint", "microbatch_seed", "sample_digest", "stable_seed", "train",
     "write_token_file",
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from recover.trainer.api import Job, TrainResult, init, train
     from recover.trainer.checkpoint import Checkpoint, CheckpointError, load_checkpoint
     from recover.trainer.errors import WorkloadError
+    from recover.trainer.lossscale import LossScale
     from recover.trainer.sampling import EpochSampler, microbatch_seed, sample_digest, stable_seed
     from recover.trainer.sources import DatasetMicrobatches, FunctionMicrobatches, MicrobatchSource
     from recover.trainer.tokens import TokenFileDataset, write_token_file

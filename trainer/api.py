@@ -52,6 +52,7 @@ from recover.trainer.errors import WorkloadError, contract_error
 from recover.trainer.executor import StepExecutor
 from recover.trainer.faults import hooks_for
 from recover.trainer.gradients import GradientBuckets, GradientLayoutError
+from recover.trainer.lossscale import LossScale, make_scaler
 from recover.trainer.reduction import make_accumulator
 from recover.trainer.replica import Lockstep, ReplicaBroken, ReplicaRanks
 from recover.trainer.sources import as_source
@@ -208,7 +209,8 @@ def train(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
           on_step_committed: Callable[[StepInfo], None] | None = None,
           extra_state: Mapping[str, Stateful] | None = None,
           check_determinism: bool | None = None,
-          buffers: str = "reduce") -> TrainResult:
+          buffers: str = "reduce",
+          loss_scale: LossScale | None = None) -> TrainResult:
     """Train `model` under ReCoVer until the job ends; returns how it ended.
 
     microbatches: a function ``(step, microbatch) -> batch`` (deterministic), or a
@@ -232,6 +234,11 @@ def train(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
         of their updates, reduced like gradients (exactly in exact mode), so buffers are in
         the guarantee and the step digests. "local": each replica keeps its own (outside the
         guarantee; a warning says so). A model without buffers is the same either way.
+    loss_scale: dynamic loss scaling for float16 autocast, in place of a GradScaler
+        (``rt.LossScale()``: GradScaler's defaults). The loss is multiplied by the scale
+        before backward; a step whose *reduced* gradient is not finite is skipped on every
+        replica and the scale halves; after ``growth_interval`` finite steps it doubles.
+        Needs ``loss_fn``, float32 (or float64) parameters, one rank per replica.
     """
     if job._channel is None or job._proto is None:
         raise TypeError("train() needs the Job returned by recover.trainer.init()")
@@ -240,10 +247,12 @@ def train(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     beacon: ProgressBeacon | None = None
     # Where a donor's state arrives if this replica joins a running job (a restart, a
     # replacement host, a spare): the address on the agent's route to the controller.
-    listener = Listener(os.environ.get("RECOVER_TRANSFER_HOST", "127.0.0.1"))
+    listener = Listener(os.environ.get("RECOVER_TRANSFER_HOST", "127.0.0.1"),
+                        tls=os.environ.get("RECOVER_TRANSFER_TLS") == "1")
     try:
         workload = _workload(job, model, optimizer, microbatches, loss_fn, forward_backward,
-                             lr_scheduler, max_grad_norm, on_step_committed, extra_state, buffers)
+                             lr_scheduler, max_grad_norm, on_step_committed, extra_state, buffers,
+                             loss_scale)
         lockstep = Lockstep(job._ranks) if job._ranks is not None else None
         if lockstep is not None:
             sharding.prepare(workload, lockstep, exact=job.reduce == "exact")
@@ -251,9 +260,11 @@ def train(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
             log.warning("%s", workload.buffer_warning, extra={"replica": job.replica})
         try:
             grads = GradientBuckets(workload.params)
-            accumulator = make_accumulator(job.reduce,
-                                           reduced_buckets(grads, workload.model_buffers),
-                                           job.global_microbatches, proto.reduce_dtype or "grad")
+            accumulator = make_accumulator(
+                job.reduce, reduced_buckets(grads, workload.model_buffers),
+                job.global_microbatches, proto.reduce_dtype or "grad",
+                loss_scaled_buckets=len(grads.buckets) if workload.loss_scaler else 0,
+                loss_scale=workload.loss_scaler.scale if workload.loss_scaler else 1.0)
         except (GradientLayoutError, ValueError) as exc:
             raise contract_error(str(exc), where="train") from None
         progress_file = os.environ.get("RECOVER_PROGRESS_FILE")
@@ -287,10 +298,12 @@ def train(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                 lambda written: channel.send(pb.WorkerReport(checkpoint_written=written)),
                 first_step, rank=job.replica_rank, ranks=job.replica_size)
         # Every rank's transfer address, in rank order: donor rank k streams to rank k.
-        address = listener.address if lockstep is None else \
-            ",".join(lockstep.gather_text(listener.address))
+        address, pin = listener.address, listener.tls_sha256
+        if lockstep is not None:
+            address, pin = (",".join(lockstep.gather_text(x)) for x in (address, pin))
         shutdown = executor.run(pb.Ready(param_sha256=workload.digest(), pid=os.getpid(),
-                                         workload=info, transfer_address=address))
+                                         workload=info, transfer_address=address,
+                                         transfer_tls_sha256=pin if listener.tls_sha256 else ""))
     except WorkloadError as exc:
         _report_and_exit(channel, exc)
     except ChannelClosed as exc:
@@ -329,7 +342,8 @@ def _report_and_exit(channel: AgentChannel, exc: WorkloadError) -> None:
 
 def _workload(job: Job, model: Any, optimizer: Any, microbatches: Any, loss_fn: Any,
               forward_backward: Any, lr_scheduler: Any, max_grad_norm: Any,
-              on_step_committed: Any, extra_state: Any, buffers: Any = "reduce") -> Workload:
+              on_step_committed: Any, extra_state: Any, buffers: Any = "reduce",
+              loss_scale: Any = None) -> Workload:
     """Check the arguments of train(); a mistake is a contract error naming it."""
 
     def bad(message: str) -> WorkloadError:
@@ -355,6 +369,11 @@ def _workload(job: Job, model: Any, optimizer: Any, microbatches: Any, loss_fn: 
                   f"{type(lr_scheduler).__name__}")
     if buffers not in BUFFER_MODES:
         raise bad(f"buffers must be one of {', '.join(map(repr, BUFFER_MODES))}, got {buffers!r}")
+    try:
+        scaler = None if loss_scale is None else make_scaler(
+            loss_scale, model, has_loss_fn=loss_fn is not None, sharded=job._ranks is not None)
+    except ValueError as exc:
+        raise bad(f"loss_scale: {exc}") from None
     extra = dict(extra_state or {})
     for name, obj in extra.items():
         if not isinstance(name, str) or not isinstance(obj, Stateful):
@@ -368,4 +387,6 @@ def _workload(job: Job, model: Any, optimizer: Any, microbatches: Any, loss_fn: 
     return Workload(model=model, optimizer=optimizer, source=source, seed=job.seed,
                     loss_fn=loss_fn, forward_backward=forward_backward, lr_scheduler=lr_scheduler,
                     max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
-                    on_step_committed=on_step_committed, extra_state=extra, buffers=buffers)
+                    on_step_committed=on_step_committed, extra_state=extra, buffers=buffers,
+                    loss_scaler=scaler)
+

@@ -113,24 +113,31 @@ def check_determinism(workload: Workload, grads: GradientBuckets, step: int = 0,
         if workload.model_buffers is not None:
             workload.model_buffers.zero()
     for bucket, a, b in zip(grads.buckets, first, second, strict=False):
-        if torch.equal(a, b):
+        if _same_bits(a, b):
             continue
         offset = 0
         for p, n in zip(bucket.params, bucket.sizes, strict=True):
-            if not torch.equal(a[offset:offset + n], b[offset:offset + n]):
+            if not _same_bits(a[offset:offset + n], b[offset:offset + n]):
                 diff = float((a[offset:offset + n].double() - b[offset:offset + n].double())
                              .abs().nan_to_num(nan=float("inf")).max())
                 raise _failed(workload, p, diff, step, microbatch)
             offset += n
     count = len(grads.buckets)
     for a, b in zip(first[count:], second[count:], strict=True):
-        if not torch.equal(a, b):
+        if not _same_bits(a, b):
             raise contract_error(
                 f"determinism check failed: microbatch {microbatch} of step {step} updated the "
                 f"model's buffers differently when computed twice; likely causes: "
                 f"{LIKELY_CAUSES}", where="determinism check", step=step, microbatch=microbatch)
     return DeterminismCheck(step, microbatch, tensor_digest(
         (f"bucket{i}", g) for i, g in enumerate(first)))
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, so that a NaN equals itself (a loss-scaled gradient may overflow)."""
+    if a.is_floating_point() and a.is_contiguous() and b.is_contiguous():
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return torch.equal(a, b)
 
 
 def _failed(workload: Workload, param: torch.nn.Parameter, diff: float, step: int,

@@ -328,8 +328,9 @@ class StepExecutor(JoinSteps):
         """Apply a committed step: as a member (`commit_wait` set), or catching up as a joiner.
         After the job's `final` step the first member writes its checkpoint before saying it
         applied the step: the job ends on that, and its last checkpoint is reported first."""
-        lr, norm = self.workload.apply(self.grads, means)
+        applied_step = self.workload.apply(self.grads, means)
         self.accumulator.observe_committed(means)
+        self.accumulator.loss_scale_changed(applied_step.loss_scale_factor)
         self.accumulator.reset()
         member = commit_wait is not None
         first = member and bool(self.members) and self.replica == min(self.members)
@@ -369,7 +370,9 @@ class StepExecutor(JoinSteps):
             self.channel.send(applied)
         if self.workload.on_step_committed is not None:
             call_user("on_step_committed", self.workload.on_step_committed, StepInfo(
-                step=step.step, loss=step.loss, lr=lr, grad_norm=norm,
-                microbatches=step.microbatches, tokens=step.tokens, generation=step.generation,
-                replica=self.replica, is_first_replica=first), step=step.step)
+                step=step.step, loss=step.loss, lr=applied_step.lr,
+                grad_norm=applied_step.grad_norm, microbatches=step.microbatches,
+                tokens=step.tokens, generation=step.generation, replica=self.replica,
+                is_first_replica=first, loss_scale=applied_step.loss_scale,
+                skipped=applied_step.skipped), step=step.step)
             self.workload.restore_buffers()  # whatever the callback's forwards wrote in them

@@ -132,6 +132,9 @@ class FastAccumulator:
     def observe_committed(self, means: list[torch.Tensor]) -> None:
         pass
 
+    def loss_scale_changed(self, factor: float) -> None:
+        pass
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -156,23 +159,32 @@ class _ExactBucket:
 class ExactAccumulator:
     """Fixed-point accumulation (integers held exactly in float64), power-of-two scale per tensor."""
 
-    STATS = 3  # loss (fixed point), microbatch count, overflow count
+    STATS = 4  # loss (fixed point), microbatch count, overflow count, non-finite count
 
-    def __init__(self, grads: BucketSet, global_microbatches: int) -> None:
+    def __init__(self, grads: BucketSet, global_microbatches: int,
+                 loss_scaled_buckets: int = 0, loss_scale: float = 1.0) -> None:
         self.grads = grads
         self.global_microbatches = global_microbatches
+        self._loss_scaled = loss_scaled_buckets
+        """The leading buckets that hold a loss-scaled gradient (lossscale.py): a microbatch
+        whose gradient there is not finite does not count as an overflow (no redo would make
+        it fit) but makes the step's mean there NaN, the same on every replica, as a float
+        sum would be: the step is then skipped and the loss scale backs off."""
         self._limit = 2.0 ** EXACT_BITS / global_microbatches
         self._loss_limit = self._limit / 2.0 ** LOSS_SCALE_BITS  # the loss is fixed point too
         last = len(grads.buckets) - 1
         self._parts = [_ExactBucket(b, self.STATS if i == last else 0)
                        for i, b in enumerate(grads.buckets)]
-        # The first step has no previous gradient: assume a mean of 1.0 per tensor.
-        self._base_exponents = [[self._exponent(1.0)] * len(b.sizes) for b in grads.buckets]
+        # The first step has no previous gradient: assume a mean of 1.0 per tensor (times
+        # the loss scale where the gradient is scaled).
+        self._base_exponents = [[self._exponent(loss_scale if i < loss_scaled_buckets else 1.0)]
+                                * len(b.sizes) for i, b in enumerate(grads.buckets)]
         self.scale_epoch = 0
         self._rescale()
         self.loss_acc = 0
         self.count = 0
         self.overflow = 0
+        self.nonfinite = 0
 
     def _exponent(self, mean_abs_max: float) -> int:
         bound = max(mean_abs_max, 1e-30) * self.global_microbatches * 2.0 ** HEADROOM_BITS
@@ -209,6 +221,7 @@ class ExactAccumulator:
         self.loss_acc = 0
         self.count = 0
         self.overflow = 0
+        self.nonfinite = 0
 
     def before_microbatch(self) -> None:
         self.grads.zero()  # each microbatch's gradient is quantized on its own
@@ -218,38 +231,56 @@ class ExactAccumulator:
         # A non-finite or huge loss (a diverged model) counts as overflow like a
         # non-finite gradient: the step is redone, then fails saying so.
         loss_fits = abs(loss) < self._loss_limit  # False for NaN too
-        fits = loss_fits
-        for part in self._parts if fits else ():
-            scaled = torch.mul(part.bucket.flat, part.scale, out=part.scaled)
-            low, high = torch.aminmax(scaled)  # one pass; vector_norm(inf) was 20x slower here
-            # Written so that a NaN in either bound fails the test: NaN/inf count as overflow.
-            if not (-self._limit < float(low) and float(high) < self._limit):
-                fits = False
-                break
-        if fits:
-            for part in self._parts:
-                rounded = part.scaled.round_()
-                if part.wide is None:
-                    part.sum.add_(rounded)
-                else:
-                    # Widen first: an in-place float64 += float32 takes a slow mixed-type path (5x).
-                    part.sum.add_(part.wide.copy_(rounded))
+        misfit = self._misfit(0) if loss_fits else 0
+        # A finite gradient may still overflow once scaled: only the raw one says it is not.
+        if loss_fits and misfit is not None and misfit < self._loss_scaled and not bool(
+                torch.isfinite(self._parts[misfit].bucket.flat).all()):
+            # Loss scaling skips this step; its buffers' updates are summed as in any step.
+            self.nonfinite += 1
+            if self._misfit(self._loss_scaled) is None:
+                self._add(self._parts[self._loss_scaled:])
+            else:
+                self.overflow += 1
+        elif misfit is None:
+            self._add(self._parts)
         else:
             self.overflow += 1
         if loss_fits:
             self.loss_acc += round(loss * 2.0 ** LOSS_SCALE_BITS)
         self.count += 1
 
+    def _misfit(self, start: int) -> int | None:
+        """The index of the first part from `start` whose gradient does not fit its scale,
+        None when all fit; each part's scaled gradient is left in its `scaled` buffer."""
+        for index in range(start, len(self._parts)):
+            part = self._parts[index]
+            scaled = torch.mul(part.bucket.flat, part.scale, out=part.scaled)
+            low, high = torch.aminmax(scaled)  # one pass; vector_norm(inf) was 20x slower here
+            # Written so that a NaN in either bound fails the test: NaN/inf count as overflow.
+            if not (-self._limit < float(low) and float(high) < self._limit):
+                return index
+        return None
+
+    @staticmethod
+    def _add(parts: list[_ExactBucket]) -> None:
+        for part in parts:
+            rounded = part.scaled.round_()
+            if part.wide is None:
+                part.sum.add_(rounded)
+            else:
+                # Widen first: an in-place float64 += float32 takes a slow mixed-type path (5x).
+                part.sum.add_(part.wide.copy_(rounded))
+
     def buffers(self) -> list[torch.Tensor]:
         last = self._parts[-1]
-        last.acc[-self.STATS:] = torch.tensor([self.loss_acc, self.count, self.overflow],
-                                              dtype=torch.float64)
+        last.acc[-self.STATS:] = torch.tensor(
+            [self.loss_acc, self.count, self.overflow, self.nonfinite], dtype=torch.float64)
         return [part.acc.clone() for part in self._parts]
 
     def finish(self, reduced: list[torch.Tensor]) -> Reduced:
-        loss_acc, count, overflow = (int(v) for v in reduced[-1][-self.STATS:])
+        loss_acc, count, overflow, nonfinite = (int(v) for v in reduced[-1][-self.STATS:])
         divisor = max(count, 1)
-        means = []
+        means: list[torch.Tensor] = []
         for part, buffer, base in zip(self._parts, reduced, self._base_exponents, strict=True):
             # Any fixed function of the (bitwise-identical) integer sum keeps runs identical;
             # this one is the cheapest measured (float64 division passes cost 4x): one
@@ -260,6 +291,8 @@ class ExactAccumulator:
                 mean[offset:offset + n].mul_(2.0 ** -e)
                 offset += n
             mean.div_(divisor)
+            if nonfinite and len(means) < self._loss_scaled:
+                mean.fill_(math.nan)
             means.append(mean if mean.dtype == part.bucket.dtype else mean.to(part.bucket.dtype))
         return Reduced(means, loss_acc / 2.0 ** LOSS_SCALE_BITS / divisor, count, overflow)
 
@@ -279,6 +312,18 @@ class ExactAccumulator:
             predicted.append(exponents)
         self._base_exponents = predicted
         self.scale_epoch = 0
+        self._rescale()
+
+    def loss_scale_changed(self, factor: float) -> None:
+        """The loss scale was multiplied by `factor` after the committed step: so are the
+        next step's loss-scaled gradients, and their predicted fixed-point scales follow
+        (a step skipped for a non-finite gradient predicted nothing new)."""
+        shift = round(math.log2(factor))
+        if not shift:
+            return
+        for exponents in self._base_exponents[:self._loss_scaled]:
+            exponents[:] = [min(max(e - shift, EXPONENT_RANGE[0]), EXPONENT_RANGE[1])
+                            for e in exponents]
         self._rescale()
 
     def state_dict(self) -> dict[str, Any]:
@@ -301,9 +346,12 @@ Accumulator = FastAccumulator | ExactAccumulator
 
 
 def make_accumulator(mode: str, grads: BucketSet, global_microbatches: int,
-                     reduce_dtype: str = "grad") -> Accumulator:
+                     reduce_dtype: str = "grad", loss_scaled_buckets: int = 0,
+                     loss_scale: float = 1.0) -> Accumulator:
+    """`loss_scaled_buckets` (at `loss_scale` at first): see ExactAccumulator (a float sum
+    needs nothing: it simply is not finite)."""
     if mode == "exact":
-        return ExactAccumulator(grads, global_microbatches)
+        return ExactAccumulator(grads, global_microbatches, loss_scaled_buckets, loss_scale)
     if mode in ("fast", ""):
         return FastAccumulator(grads, reduce_dtype or "grad")
     raise ValueError(f"unknown reduce mode {mode!r} (fast, exact)")

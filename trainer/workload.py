@@ -18,6 +18,7 @@ from recover.trainer.buffers import ModelBuffers, model_buffers
 from recover.trainer.digest import step_digest
 from recover.trainer.errors import call_user, contract_error
 from recover.trainer.gradients import GradientBuckets
+from recover.trainer.lossscale import LossScaler
 from recover.trainer.sampling import microbatch_seed
 from recover.trainer.sources import MicrobatchSource
 
@@ -59,6 +60,23 @@ class StepInfo:
     """This replica."""
     is_first_replica: bool
     """True on exactly one live replica: log, evaluate or write files there only."""
+    loss_scale: float | None = None
+    """With `loss_scale=`: the scale this step's backward used (None without loss scaling)."""
+    skipped: bool = False
+    """With `loss_scale=`: the step's reduced gradient was not finite, so the optimizer did
+    not step (the scale backed off). Every replica skips the same steps."""
+
+
+@dataclass(frozen=True)
+class AppliedStep:
+    """What applying a committed step did."""
+
+    lr: float
+    grad_norm: float | None
+    loss_scale: float | None = None
+    skipped: bool = False
+    loss_scale_factor: float = 1.0
+    """What the next step's loss scale is, relative to this step's."""
 
 
 @dataclass
@@ -94,6 +112,8 @@ class Workload:
     gradient_sync: Callable[[bool], None] | None = None
     """FSDP2 in fast mode: told before each microbatch whether it is the last of the step
     (as planned so far), so the shards are reduce-scattered once per step (sharding.py)."""
+    loss_scaler: LossScaler | None = None
+    """Dynamic loss scaling (float16 autocast; lossscale.py); None: the loss as it is."""
     params: list[torch.nn.Parameter] = field(init=False)
     model_buffers: ModelBuffers | None = field(init=False)
     """The buffers reduced with each step; None when there are none (or "local")."""
@@ -191,7 +211,8 @@ class Workload:
             loss, tokens = self._unpack(out, "loss_fn", step, microbatch, own_backward=False)
             if before_backward is not None:
                 before_backward()
-            call_user("loss_fn (backward)", loss.backward, step=step, microbatch=microbatch)
+            scaled = loss if self.loss_scaler is None else loss * self.loss_scaler.scale
+            call_user("loss_fn (backward)", scaled.backward, step=step, microbatch=microbatch)
         return MicrobatchResult(float(loss.detach()) if isinstance(loss, torch.Tensor) else loss,
                                 tokens, ids)
 
@@ -231,22 +252,33 @@ class Workload:
 
     # ------------------------------------------------------------ one commit
 
-    def apply(self, grads: GradientBuckets, means: list[torch.Tensor]) -> tuple[float, float | None]:
+    def apply(self, grads: GradientBuckets, means: list[torch.Tensor]) -> AppliedStep:
         """Apply a committed step's reduced gradient (and, after it in `means`, the mean update
-        of the buffers in the guarantee); returns (lr used, grad norm or None)."""
+        of the buffers in the guarantee). `means` are left as they are (joiners get them)."""
         count = len(grads.buckets)
         grads.load(means[:count])
         if self.model_buffers is not None:
             self.model_buffers.commit(means[count:])
         lr = float(self.optimizer.param_groups[0].get("lr", math.nan))
+        scale, skip, factor = None, False, 1.0
+        if self.loss_scaler is not None:
+            # Decided from the reduced gradient, the same on every replica: so is the skip.
+            scale = self.loss_scaler.scale
+            finite = all(bool(torch.isfinite(mean).all()) for mean in means[:count])
+            skip = self.loss_scaler.commit(finite).skip
+            factor = self.loss_scaler.scale / scale
+            if not skip:
+                for bucket in grads.buckets:  # exact: the scale is a power of two
+                    bucket.flat.mul_(1.0 / scale)
         norm = None
-        if self.max_grad_norm is not None:
+        if self.max_grad_norm is not None and not skip:
             # The reduced gradient is the same on every replica, so is its norm and the clip.
             norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
-        call_user("optimizer.step", self.optimizer.step)
-        if self.lr_scheduler is not None:
+        if not skip:
+            call_user("optimizer.step", self.optimizer.step)
+        if self.lr_scheduler is not None:  # per committed step, as after GradScaler.step
             call_user("lr_scheduler.step", self.lr_scheduler.step)
-        return lr, norm
+        return AppliedStep(lr, norm, scale, skip, factor)
 
     def restore_buffers(self) -> None:
         """After user code ran outside a microbatch (on_step_committed, an eval in train mode):
@@ -274,6 +306,8 @@ class Workload:
             state["lr_scheduler"] = self.lr_scheduler.state_dict()
         state["extra"] = {name: call_user(f"extra_state[{name!r}].state_dict", obj.state_dict)
                           for name, obj in self.extra_state.items()}
+        if self.loss_scaler is not None:
+            state["loss_scale"] = self.loss_scaler.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -288,3 +322,5 @@ class Workload:
         for name, obj in self.extra_state.items():
             call_user(f"extra_state[{name!r}].load_state_dict", obj.load_state_dict,
                       state["extra"][name])
+        if self.loss_scaler is not None and "loss_scale" in state:
+            self.loss_scaler.load_state_dict(state["loss_scale"])

@@ -1,11 +1,15 @@
-"""examples/porting.py: a script as people write them (bf16 autocast, torch.compile, an LR
-warm-up and clipping, an evaluation every few steps, TensorBoard, a final save), under kills.
+"""examples/porting.py: a script as people write them (fp16 autocast with ReCoVer's loss
+scaling, torch.compile, an LR warm-up and clipping, an evaluation every few steps,
+TensorBoard, a final save), under kills.
 
 Real processes: the first replica, the one that logs, evaluates and would save, is killed
 mid-run, and the next one takes over; in exact mode everything the script produces is the
 failure-free run's: parameters after every step, the evaluations, the TensorBoard scalars,
-the saved model. One pair of runs, checked by many assertions (each run ~15 s: dynamo
-traces the model in every worker).
+the saved model, and the loss scale: the steps whose float16 gradient overflowed were
+skipped on every replica, in both runs. One pair of runs, checked by many assertions (each
+run ~15 s: dynamo traces the model in every worker). fp16 rather than the example's default
+bf16: the two differ only in the dtype the script's own autocast is given, while fp16 also
+runs ReCoVer's loss scaling.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ ARGS = ["--replicas", "3", "--steps", "10", "-M", "6", "--seed", "2", "--reduce"
 
 
 def script(out: Path) -> list[str]:
+    # 2**22: the first steps' gradients overflow float16 and are skipped, later ones not.
     return ["--", "python", str(REPO / "examples" / "porting.py"), "--compile", "aot_eager",
+            "--amp", "fp16", "--init-scale", str(2 ** 22),
             "--eval-every", "3", "--tensorboard", str(out / "tb"),
             "--eval-out", str(out / "eval.jsonl"), "--save", str(out / "final.pt")]
 
@@ -74,6 +80,10 @@ def test_a_ported_script_gives_the_failure_free_runs_logs_evals_and_model(tmp_pa
     assert sorted(want["train/loss"]) == list(range(10)) and got == want
     assert [round(v, 4) for v in want["train/loss"].values()] == [
         round(v, 4) for v in reference.summary["loss_per_step"]]
+    # The loss scale of every step: it backed off after overflowing steps (skipped) and was
+    # the same in both runs, whichever replica logged it.
+    scales = [want["train/loss_scale"][step] for step in range(10)]
+    assert scales[0] == 2 ** 22 and scales[-1] < scales[0], scales
     # The final model, saved by the first replica at the end, is the failure-free one.
     saved = torch.load(tmp_path / "killed" / "final.pt")
     wanted = torch.load(tmp_path / "reference" / "final.pt")
