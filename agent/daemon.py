@@ -307,6 +307,7 @@ class Agent:
                 on_leader=partial(self.workers.__setitem__, replica),
                 agent_id=self.config.agent_id, agent_address=self._channel_address,
                 job_id=self._job.job_id, log_dir=log_dir, transfer_host=self._transfer_host,
+                transfer_tls=self.config.security.tls,
                 warm=self._warm)
         except OSError as exc:
             # As if it died at once, with the reason as its last words: the controller

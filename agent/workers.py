@@ -135,6 +135,7 @@ async def spawn_worker(
     log_dir: Path | None,
     progress_path: Path | None = None,
     transfer_host: str = "127.0.0.1",
+    transfer_tls: bool = False,
     warm: WarmStarter | None = None,
     rank: int = 0,
     ranks: int = 1,
@@ -155,6 +156,8 @@ async def spawn_worker(
         "RECOVER_AGENT_PID": str(os.getpid()),
         # Where the worker accepts a donor's state when it joins a running job.
         "RECOVER_TRANSFER_HOST": transfer_host,
+        # A control plane with TLS: the state a donor streams to it is encrypted too.
+        "RECOVER_TRANSFER_TLS": "1" if transfer_tls else "0",
         "RECOVER_RANK_IN_REPLICA": str(rank),
         "RECOVER_RANKS_PER_REPLICA": str(ranks),
     })

@@ -28,10 +28,9 @@ from recover.controller.view import Draft, ReplicaState
 from recover.proto import pb
 
 
-def add(d: Draft, replica: int, address: str) -> None:
-    """A replica that became ready while the job runs: bring it in."""
-    if d.v.replicas[replica].transfer_address != address:
-        d.change_replica(replica, transfer_address=address)
+def add(d: Draft, replica: int) -> None:
+    """A replica that became ready while the job runs (its transfer endpoint in the view):
+    bring it in."""
     _start(d, Join(replica))
 
 
@@ -48,9 +47,10 @@ def _start(d: Draft, join: Join) -> None:
                                token=d.facts.token(), attempts=join.attempts + 1,
                                started_at=d.now)
     d.put_join(join)
+    joiner = v.replicas[join.joiner]
     d.send(v.replicas[choice.donor].agent_id, pb.ControllerMessage(donate=pb.Donate(
-        donor=choice.donor, joiner=join.joiner, address=v.replicas[join.joiner].transfer_address,
-        token=join.token)))
+        donor=choice.donor, joiner=join.joiner, address=joiner.transfer_address,
+        token=join.token, tls_sha256=joiner.transfer_tls_sha256)))
     d.send(v.replicas[join.joiner].agent_id, pb.ControllerMessage(join=pb.Join(
         joiner=join.joiner, donor=choice.donor, token=join.token, attempt=join.attempts)))
     d.emit("join-started", f"attempt {join.attempts}: {choice.reason}", step=v.step,
@@ -77,9 +77,10 @@ def progress(d: Draft, replica: int, msg: pb.JoinProgress,
                                    snapshot_s=msg.snapshot_s)
         d.do(effects.Transferred(msg.snapshot_bytes, msg.snapshot_s))
         rate = msg.snapshot_bytes / msg.snapshot_s / 1e6 if msg.snapshot_s > 0 else 0.0
+        over = "TLS" if d.v.replicas[replica].transfer_tls_sha256 else "TCP"
         d.emit("state-transfer", f"{msg.snapshot_bytes} bytes from replica {join.donor} in "
-               f"{msg.snapshot_s:.3f}s ({rate:.0f} MB/s), state before step {msg.step}",
-               step=d.v.step, replica=replica)
+               f"{msg.snapshot_s:.3f}s ({rate:.0f} MB/s) over {over}, state before step "
+               f"{msg.step}", step=d.v.step, replica=replica)
     join = dataclasses.replace(join, step=msg.step)
     if join.step >= d.v.step:
         join = dataclasses.replace(join, phase=JoinPhase.CAUGHT_UP)

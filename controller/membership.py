@@ -125,7 +125,7 @@ def _start(d: Draft, why: str) -> None:
     for agent_id in sorted({d.v.replicas[s].agent_id for s in spares}):
         agent_record(d, agent_id)  # a new leader resumes their joins
     for spare in spares:  # hot spares: they catch up from the first step on
-        joinflow.add(d, spare, d.v.replicas[spare].transfer_address)
+        joinflow.add(d, spare)
 
 
 def worker_ready(d: Draft, replica: int, ready: pb.Ready, grace_s: float) -> None:
@@ -134,7 +134,8 @@ def worker_ready(d: Draft, replica: int, ready: pb.Ready, grace_s: float) -> Non
         d.do(effects.Stale())
         return
     d.change_replica(replica, state=ReplicaState.READY, pid=ready.pid,
-                     transfer_address=ready.transfer_address)
+                     transfer_address=ready.transfer_address,
+                     transfer_tls_sha256=ready.transfer_tls_sha256)
     d.emit("replica-ready", f"pid {ready.pid}, params {ready.param_sha256[:12]}",
            replica=replica, pid=ready.pid)
     if not d.v.workload.parameters:
@@ -158,7 +159,7 @@ def worker_ready(d: Draft, replica: int, ready: pb.Ready, grace_s: float) -> Non
         d.emit("nondeterminism", mismatch, replica=replica, level=logging.WARNING)
     if v.state is JobState.RUNNING:
         agent_record(d, info.agent_id)  # a new leader resumes the join
-        joinflow.add(d, replica, ready.transfer_address)
+        joinflow.add(d, replica)
     else:
         maybe_start(d, grace_s)
 

@@ -88,7 +88,8 @@ def restore(d: Draft, persisted: PersistedJob, steps: list[pb.StepRecord],
             state = (ReplicaState.ASSIGNED if view is None else ReplicaState.MEMBER
                      if r in members else ReplicaState.READY if joining else ReplicaState.LOST)
             d.put_replica(Replica(r, record.agent_id, state=state,
-                                  transfer_address=record.join_addresses.get(r, "")))
+                                  transfer_address=record.join_addresses.get(r, ""),
+                                  transfer_tls_sha256=record.join_tls_sha256.get(r, "")))
     expected = {a.agent_id for a in persisted.agents
                 if view is None or members & set(a.replica_ids)}
     expected |= {d.v.replicas[r].agent_id for r in joiners}
@@ -202,8 +203,8 @@ def finish(d: Draft) -> None:
     decision = resume_plan(wait.persisted, d.v.step, survivors, d.v.job.global_microbatches,
                            d.policy)
     new_generation(d, survivors, decision)
-    for r, address in sorted(wait.joiners.items()):
+    for r in sorted(wait.joiners):
         if d.v.replicas[r].alive:
-            joinflow.add(d, r, address)  # anew: this leader knows nothing of the old attempt
+            joinflow.add(d, r)  # anew: this leader knows nothing of the old attempt
     if lost:
         membership.fill_waiting_slots(d, "replicas lost in the leader change")

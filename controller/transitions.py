@@ -56,6 +56,8 @@ def agent_record(d: Draft, agent_id: str) -> None:
         info = d.v.replicas.get(r)
         if info is not None and info.alive and info.transfer_address:
             record.join_addresses[r] = info.transfer_address
+            if info.transfer_tls_sha256:
+                record.join_tls_sha256[r] = info.transfer_tls_sha256
     d.do(effects.SaveAgent(d.v.job, record))
 
 

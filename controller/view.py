@@ -79,6 +79,8 @@ class Replica:
     pid: int = 0
     transfer_address: str = ""
     """Where it accepts a donor's state (from its `ready`)."""
+    transfer_tls_sha256: str = ""
+    """The certificate its transfer listener presents (from its `ready`; empty: plain TCP)."""
 
     @property
     def alive(self) -> bool:

@@ -257,28 +257,32 @@ class WorkloadInfo(_message.Message):
     def __init__(self, parameters: _Optional[int] = ..., gradient_buckets: _Optional[_Iterable[str]] = ..., samples_per_microbatch: _Optional[int] = ..., determinism_sha256: _Optional[str] = ...) -> None: ...
 
 class Ready(_message.Message):
-    __slots__ = ("param_sha256", "pid", "workload", "transfer_address")
+    __slots__ = ("param_sha256", "pid", "workload", "transfer_address", "transfer_tls_sha256")
     PARAM_SHA256_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     WORKLOAD_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TLS_SHA256_FIELD_NUMBER: _ClassVar[int]
     param_sha256: str
     pid: int
     workload: WorkloadInfo
     transfer_address: str
-    def __init__(self, param_sha256: _Optional[str] = ..., pid: _Optional[int] = ..., workload: _Optional[_Union[WorkloadInfo, _Mapping]] = ..., transfer_address: _Optional[str] = ...) -> None: ...
+    transfer_tls_sha256: str
+    def __init__(self, param_sha256: _Optional[str] = ..., pid: _Optional[int] = ..., workload: _Optional[_Union[WorkloadInfo, _Mapping]] = ..., transfer_address: _Optional[str] = ..., transfer_tls_sha256: _Optional[str] = ...) -> None: ...
 
 class Donate(_message.Message):
-    __slots__ = ("donor", "joiner", "address", "token")
+    __slots__ = ("donor", "joiner", "address", "token", "tls_sha256")
     DONOR_FIELD_NUMBER: _ClassVar[int]
     JOINER_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TLS_SHA256_FIELD_NUMBER: _ClassVar[int]
     donor: int
     joiner: int
     address: str
     token: str
-    def __init__(self, donor: _Optional[int] = ..., joiner: _Optional[int] = ..., address: _Optional[str] = ..., token: _Optional[str] = ...) -> None: ...
+    tls_sha256: str
+    def __init__(self, donor: _Optional[int] = ..., joiner: _Optional[int] = ..., address: _Optional[str] = ..., token: _Optional[str] = ..., tls_sha256: _Optional[str] = ...) -> None: ...
 
 class Join(_message.Message):
     __slots__ = ("joiner", "donor", "token", "attempt")
@@ -739,8 +743,15 @@ class LeaderRecord(_message.Message):
     def __init__(self, term: _Optional[int] = ..., address: _Optional[str] = ..., controller_id: _Optional[str] = ..., elected_at: _Optional[float] = ...) -> None: ...
 
 class AgentRecord(_message.Message):
-    __slots__ = ("agent_id", "host", "replica_ids", "join_addresses", "subject", "waiting_slots")
+    __slots__ = ("agent_id", "host", "replica_ids", "join_addresses", "subject", "waiting_slots", "join_tls_sha256")
     class JoinAddressesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: str
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
+    class JoinTlsSha256Entry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -753,13 +764,15 @@ class AgentRecord(_message.Message):
     JOIN_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     SUBJECT_FIELD_NUMBER: _ClassVar[int]
     WAITING_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    JOIN_TLS_SHA256_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     host: str
     replica_ids: _containers.RepeatedScalarFieldContainer[int]
     join_addresses: _containers.ScalarMap[int, str]
     subject: str
     waiting_slots: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, agent_id: _Optional[str] = ..., host: _Optional[str] = ..., replica_ids: _Optional[_Iterable[int]] = ..., join_addresses: _Optional[_Mapping[int, str]] = ..., subject: _Optional[str] = ..., waiting_slots: _Optional[_Iterable[int]] = ...) -> None: ...
+    join_tls_sha256: _containers.ScalarMap[int, str]
+    def __init__(self, agent_id: _Optional[str] = ..., host: _Optional[str] = ..., replica_ids: _Optional[_Iterable[int]] = ..., join_addresses: _Optional[_Mapping[int, str]] = ..., subject: _Optional[str] = ..., waiting_slots: _Optional[_Iterable[int]] = ..., join_tls_sha256: _Optional[_Mapping[int, str]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

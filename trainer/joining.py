@@ -99,7 +99,7 @@ class Donation:
         try:
             stream = connect(self._command.address, pb.TransferHello(
                 token=self._command.token, donor=self._donor, joiner=self.joiner),
-                CONNECT_TIMEOUT_S)
+                CONNECT_TIMEOUT_S, tls_sha256=self._command.tls_sha256)
             stream.settimeout(CONNECT_TIMEOUT_S)
             manifest = self._snapshot.manifest()
             manifest.step = self._next

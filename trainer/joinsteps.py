@@ -41,17 +41,20 @@ class JoinSteps(ExecutorBase):
                  command.joiner, snapshot.nbytes / 1e6, extra=self._ctx())
 
     def _my_part(self, command: pb.Donate) -> pb.Donate:
-        """The joiner's address for this rank: a replica of several ranks reports one per
-        rank, in rank order, separated by commas (the controller passes them on as they are)."""
+        """The joiner's address (and certificate) for this rank: a replica of several ranks
+        reports one per rank, in rank order, separated by commas (the controller passes them
+        on as they are)."""
         assert self.lockstep is not None
         addresses = command.address.split(",")
+        pins = command.tls_sha256.split(",") if command.tls_sha256 else [""] * len(addresses)
         ranks = self.lockstep.ranks
-        if len(addresses) != ranks.size:
+        if len(addresses) != ranks.size or len(pins) != ranks.size:
             raise RuntimeError(f"replica {command.joiner} gave {len(addresses)} transfer "
-                               f"addresses for a replica of {ranks.size} ranks")
+                               f"addresses and {len(pins)} certificates for a replica of "
+                               f"{ranks.size} ranks")
         mine = pb.Donate()
         mine.CopyFrom(command)
-        mine.address = addresses[ranks.rank]
+        mine.address, mine.tls_sha256 = addresses[ranks.rank], pins[ranks.rank]
         return mine
 
     def _feed_joiners(self, step: pb.CatchUpStep, means: list) -> None:

@@ -12,13 +12,25 @@ their destination (no pickle, no intermediate copy).
 Sockets here are claimed from the generation groups' socket sweep
 (`groups.gloo.exclude_sockets`): a join must not be cut by an aborted
 allreduce of the donor, nor an allreduce by a failed join.
+
+When the control plane runs TLS, so does the transfer (TLS 1.3): the joiner's listener
+presents a certificate made for this worker with a fresh key, and the joiner reports its
+SHA-256 with its address over its authenticated agent; the controller hands both to the
+donor, which streams only to the peer presenting that certificate. The donor in turn is
+authenticated by the one-time token. Not the job's CA: an agent's certificate is a client
+certificate only (so that it cannot pose as a controller), and the controller's word is
+what a donor needs to trust, which the pinned digest carries.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import os
 import socket
+import ssl
 import struct
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from enum import IntEnum
@@ -155,12 +167,50 @@ class Stream:
         self._sock.close()
 
 
+def _transfer_certificate() -> tuple[ssl.SSLContext, str]:
+    """A TLS 1.3 server context with a fresh key and a self-signed certificate, and the
+    certificate's SHA-256 (hex): what a donor pins."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "recover transfer")])
+    now = datetime.datetime.now(datetime.UTC)
+    # Pinned, not verified against a CA: the validity only has to cover the worker's life.
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=3650)).sign(key, hashes.SHA256()))
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    # ssl loads a key only from a file: one in a private folder, gone once loaded.
+    with tempfile.TemporaryDirectory(prefix="recover-transfer-") as folder:
+        cert_path, key_path = os.path.join(folder, "cert.pem"), os.path.join(folder, "key.pem")
+        with open(cert_path, "wb") as f:
+            f.write(cert.public_bytes(serialization.Encoding.PEM))
+        with open(os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+            f.write(key.private_bytes(serialization.Encoding.PEM,
+                                      serialization.PrivateFormat.PKCS8,
+                                      serialization.NoEncryption()))
+        context.load_cert_chain(cert_path, key_path)
+    return context, hashlib.sha256(cert.public_bytes(serialization.Encoding.DER)).hexdigest()
+
+
 class Listener:
     """The joiner's listening socket, open for its whole life (joins can be retried)."""
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: str, tls: bool = False) -> None:
         self._sock = socket.create_server((host, 0), backlog=4)
         self.address = f"{host}:{self._sock.getsockname()[1]}"
+        self._tls: ssl.SSLContext | None = None
+        self.tls_sha256 = ""
+        """The certificate a donor must see (empty: plain TCP)."""
+        if tls:
+            self._tls, self.tls_sha256 = _transfer_certificate()
 
     def accept(self, token: str, timeout_s: float,
                stop: Callable[[], bool] | None = None) -> tuple[Stream, pb.TransferHello]:
@@ -176,8 +226,14 @@ class Listener:
                 conn, _ = self._sock.accept()
             except TimeoutError:
                 continue
+            conn.settimeout(HELLO_TIMEOUT_S)  # the handshake too: a stranger gets no longer
+            if self._tls is not None:
+                try:
+                    conn = self._tls.wrap_socket(conn, server_side=True)
+                except (ssl.SSLError, OSError):
+                    conn.close()
+                    continue
             stream = Stream(conn)
-            stream.settimeout(HELLO_TIMEOUT_S)
             try:
                 kind, hello, _ = stream.receive(max_message=HELLO_MAX_BYTES, max_tensor_bytes=0)
             except (TransferError, OSError):
@@ -193,13 +249,36 @@ class Listener:
         self._sock.close()
 
 
-def connect(address: str, hello: pb.TransferHello, timeout_s: float) -> Stream:
-    """The donor's side: connect to the joiner and introduce itself."""
+def connect(address: str, hello: pb.TransferHello, timeout_s: float,
+            tls_sha256: str = "") -> Stream:
+    """The donor's side: connect to the joiner (over TLS to the certificate `tls_sha256`
+    when given) and introduce itself."""
     host, _, port = address.rpartition(":")
     try:
         sock = socket.create_connection((host, int(port)), timeout=timeout_s)
     except (OSError, ValueError) as exc:
         raise TransferError(f"cannot reach the joiner at {address}: {exc}") from None
+    if tls_sha256:
+        sock = _pinned(sock, address, tls_sha256)
     stream = Stream(sock)
     stream.send(FrameKind.HELLO, hello)
     return stream
+
+
+def _pinned(sock: socket.socket, address: str, sha256: str) -> ssl.SSLSocket:
+    """`sock` over TLS 1.3 to a peer whose certificate has this SHA-256, or TransferError."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE  # checked below, against the pinned digest
+    try:
+        tls = context.wrap_socket(sock)
+    except (ssl.SSLError, OSError) as exc:
+        sock.close()
+        raise TransferError(f"no TLS with the joiner at {address}: {exc}") from None
+    der = tls.getpeercert(binary_form=True) or b""
+    if not hmac.compare_digest(hashlib.sha256(der).hexdigest(), sha256):
+        tls.close()
+        raise TransferError(f"the peer at {address} is not the joiner: its certificate is "
+                            "not the one the joiner reported")
+    return tls

@@ -15,6 +15,8 @@ before the clock starts) serving each:
   then the bytes; the joiner's `Catchup` prepares a destination for every
   tensor from the preview (its built model's weights in place, new memory
   touched once for the moments), then receives.
+- `stream-tls`: `stream` over TLS 1.3, as when the control plane runs TLS: the joiner's
+  listener presents a certificate made for it, the donor pins its digest (issue 22).
 - `stream-fresh`: the design before (copy, connect, one SNAPSHOT frame received
   into tensors allocated as it arrives).
 - `raw`: the same number of bytes through a plain socket into a buffer touched
@@ -30,6 +32,7 @@ donor's first action (its copy) to the last byte, everything included;
 `prepare` is the joiner's preparation (0 for the others).
 
     python bench/scripts/transfer_throughput.py --out bench/results/transfer-throughput
+    python bench/scripts/transfer_throughput.py --variants stream,stream-tls --out ...
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ from recover.trainer.statewire import as_bytes, encode
 from recover.trainer.transfer import FrameKind, Listener, connect
 
 TOKEN = "bench-token"
-VARIANTS = ("stream", "stream-fresh", "raw", "raw-fresh")
+VARIANTS = ("stream", "stream-tls", "stream-fresh", "raw", "raw-fresh")
 SIZE = struct.Struct("<Q")
 EDGE = 4096
 """The receiver checksums the first and last 4 KiB of what it got: a run that moved garbage
@@ -89,9 +92,10 @@ def receive(variant: str, nbytes: int, mb: int, layers: int) -> None:
     byte landed and a crc of its edges."""
     prepared = prepare_s = 0.0
     if variant.startswith("stream"):
-        listener = Listener("127.0.0.1")
-        own = own_tensors(build_state(mb, layers, moments=False)) if variant == "stream" else None
-        print(listener.address, flush=True)
+        listener = Listener("127.0.0.1", tls=variant == "stream-tls")
+        own = (own_tensors(build_state(mb, layers, moments=False))
+               if variant in ("stream", "stream-tls") else None)
+        print(listener.address, listener.tls_sha256, flush=True)
         command = pb.Join(joiner=1, donor=0, token=TOKEN, attempt=1)
         if own is None:
             stream, _ = listener.accept(TOKEN, 120)
@@ -144,15 +148,15 @@ def send_once(variant: str, state: dict[str, Any], flat: torch.Tensor, mb: int,
     proc = subprocess.Popen([sys.executable, __file__, "--receiver", variant, "--nbytes", str(nbytes),
                              "--mb", str(mb), "--layers", str(layers)], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
-    address = proc.stdout.readline().strip()
+    address, _, pin = proc.stdout.readline().strip().partition(" ")
     host, _, port = address.rpartition(":")
     timings: dict[str, float] = {}
     started = time.monotonic()
-    if variant == "stream":
+    if variant in ("stream", "stream-tls"):
         snapshot = encode(state)  # the donor's copy
         copied = time.monotonic()
-        donation = Donation(pb.Donate(donor=0, joiner=1, address=address, token=TOKEN), 0,
-                            snapshot, 0)
+        donation = Donation(pb.Donate(donor=0, joiner=1, address=address, token=TOKEN,
+                                      tls_sha256=pin), 0, snapshot, 0)
         donation.finish_before(0)  # no steps to catch up: END follows the snapshot
         donation.done.wait(120)
         assert not donation.failed, donation.failed
@@ -186,6 +190,8 @@ def main() -> int:
     parser.add_argument("--mb", type=int, default=256, help="state size in MiB")
     parser.add_argument("--layers", type=int, default=50, help="2 tensors per layer")
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--receiver", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--nbytes", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -203,9 +209,12 @@ def main() -> int:
     nbytes = flat.numel()
     print(f"{len(layout.tensors)} tensors, {nbytes / 1e6:.1f} MB (a third of it the weights), "
           f"manifest {len(layout.manifest().SerializeToString())} bytes", file=sys.stderr)
-    timings: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
+    variants = tuple(v for v in args.variants.split(",") if v)
+    if unknown := set(variants) - set(VARIANTS):
+        parser.error(f"unknown variants {sorted(unknown)}")
+    timings: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     for rep in range(args.reps):
-        order = VARIANTS[rep % len(VARIANTS):] + VARIANTS[:rep % len(VARIANTS)]  # rotate the first
+        order = variants[rep % len(variants):] + variants[:rep % len(variants)]  # rotate the first
         for variant in order:
             timing, ok = send_once(variant, state, flat, args.mb, args.layers)
             if not ok:
@@ -219,38 +228,51 @@ def main() -> int:
     def rates(variant: str, key: str) -> list[float]:
         return [nbytes / t[key] / 1e6 for t in timings[variant]]
 
-    med = {v: statistics.median(rates(v, "wire")) for v in VARIANTS}
-    join_s = {v: statistics.median(t["join"] for t in timings[v]) for v in VARIANTS}
-    prepare_s = statistics.median(t["prepare"] for t in timings["stream"])
-    copy_s = {v: statistics.median(t["copy"] for t in timings[v]) for v in VARIANTS[:2]}
-    per_rep = [s / r for s, r in zip(rates("stream", "wire"), rates("raw", "wire"), strict=True)]
+    def ratio(a: str, b: str, of: dict[str, float]) -> float | None:
+        return round(of[a] / of[b], 3) if a in of and b in of else None
+
+    med = {v: statistics.median(rates(v, "wire")) for v in variants}
+    join_s = {v: statistics.median(t["join"] for t in timings[v]) for v in variants}
+    copy_s = {v: statistics.median(t["copy"] for t in timings[v]) for v in variants
+              if v.startswith("stream")}
+    prepare_s = {v: statistics.median(t["prepare"] for t in timings[v]) for v in variants
+                 if v in ("stream", "stream-tls")}
+    per_rep = ([round(s / r, 3) for s, r in zip(rates("stream", "wire"), rates("raw", "wire"),
+                                                 strict=True)]
+               if {"stream", "raw"} <= set(variants) else None)
+    tls_per_rep = ([round(t["join"] / p["join"], 3) for t, p in
+                    zip(timings["stream-tls"], timings["stream"], strict=True)]
+                   if {"stream", "stream-tls"} <= set(variants) else None)
+    stream_vs_raw = ratio("stream", "raw", med)
+    tls_join = ratio("stream-tls", "stream", join_s)
     result = {
         "benchmark": "transfer_throughput", "bytes": nbytes, "tensors": len(layout.tensors),
-        "reps": args.reps,
+        "reps": args.reps, "variants": list(variants),
         "seconds": {v: [{k: round(x, 5) for k, x in t.items()} for t in timings[v]]
-                    for v in VARIANTS},
+                    for v in variants},
         "wire_mb_per_s": {v: {"median": round(med[v], 1), "min": round(min(rates(v, "wire")), 1),
-                              "max": round(max(rates(v, "wire")), 1)} for v in VARIANTS},
-        "join_s_median": {v: round(join_s[v], 4) for v in VARIANTS},
+                              "max": round(max(rates(v, "wire")), 1)} for v in variants},
+        "join_s_median": {v: round(join_s[v], 4) for v in variants},
         "donor_copy_s_median": {v: round(copy_s[v], 4) for v in copy_s},
-        "joiner_prepare_s_median": round(prepare_s, 4),
-        "ratio_stream_vs_raw": round(med["stream"] / med["raw"], 3),
-        "ratio_stream_fresh_vs_raw": round(med["stream-fresh"] / med["raw"], 3),
-        "ratio_raw_fresh_vs_raw": round(med["raw-fresh"] / med["raw"], 3),
-        "ratio_per_rep": [round(r, 3) for r in per_rep],
-        "join_ratio_stream_vs_stream_fresh": round(join_s["stream"] / join_s["stream-fresh"], 3),
-        "target_ratio": 0.8, "target_met": med["stream"] / med["raw"] >= 0.8,
+        "joiner_prepare_s_median": {v: round(prepare_s[v], 4) for v in prepare_s},
+        "ratio_stream_vs_raw": stream_vs_raw,
+        "ratio_stream_fresh_vs_raw": ratio("stream-fresh", "raw", med),
+        "ratio_raw_fresh_vs_raw": ratio("raw-fresh", "raw", med),
+        "ratio_per_rep": per_rep,
+        "join_ratio_stream_vs_stream_fresh": ratio("stream", "stream-fresh", join_s),
+        "join_ratio_tls_vs_stream": tls_join, "join_ratio_tls_per_rep": tls_per_rep,
+        "target_ratio": 0.8,
+        "target_met": None if stream_vs_raw is None else stream_vs_raw >= 0.8,
+        "tls_target_ratio": 1.2, "tls_target_met": None if tls_join is None else tls_join <= 1.2,
         "environment_before": env_before, "environment": environment(), "finished_at": time.time()}
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     print("\n| variant | wire MB/s median | min | max | donate -> landed, median |\n|---|---|---|---|---|")
-    for v in VARIANTS:
+    for v in variants:
         print(f"| {v} | {med[v]:.0f} | {min(rates(v, 'wire')):.0f} | {max(rates(v, 'wire')):.0f} | "
               f"{join_s[v] * 1000:.0f} ms |")
-    print(f"stream / raw = {result['ratio_stream_vs_raw']} (per rep {result['ratio_per_rep']}); "
-          f"stream-fresh / raw = {result['ratio_stream_fresh_vs_raw']}; whole join stream / "
-          f"stream-fresh = {result['join_ratio_stream_vs_stream_fresh']}; the joiner's preparation "
-          f"{prepare_s * 1000:.0f} ms (median); target >= 0.8: "
-          f"{'met' if result['target_met'] else 'NOT met'}")
+    print(f"stream / raw = {stream_vs_raw} (per rep {per_rep}); whole join stream / "
+          f"stream-fresh = {result['join_ratio_stream_vs_stream_fresh']}; tls / stream join = "
+          f"{tls_join} (per rep {tls_per_rep}); the joiner's preparation {prepare_s} s (median)")
     return 0
 
 

@@ -1,7 +1,8 @@
 """A bounded gRPC fuzzer against a real running job (issue 14): random bytes and mutated
 valid messages at every RPC of the controller, with an agent's credentials (so they pass
 TLS and reach authorization and parsing). No crash, no internal error, no hang, bounded
-memory, and the job's result bitwise its failure-free reference."""
+memory, and the job's result bitwise its failure-free reference. The same job (mutual TLS)
+has a hot spare, whose state transfer runs over TLS too (issue 22)."""
 
 from __future__ import annotations
 
@@ -85,7 +86,7 @@ def test_fuzzed_calls_change_nothing(tmp_path: Path) -> None:
     reference = run_recover(tmp_path / "reference", *without_emulated_compute(ARGS), timeout=200)
     assert reference.returncode == 0, reference.stderr
     out = tmp_path / "fuzzed"
-    proc = subprocess.Popen(recover_cmd("run", "--tls", "--out", str(out), *ARGS),
+    proc = subprocess.Popen(recover_cmd("run", "--tls", "--spares", "1", "--out", str(out), *ARGS),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         port = wait_for(lambda: (out / "controller.port").exists()
@@ -133,3 +134,7 @@ def test_fuzzed_calls_change_nothing(tmp_path: Path) -> None:
     assert grpc.StatusCode.INVALID_ARGUMENT in set().union(*answers.values())
     assert after - before < 64 * 1024, (before, after)  # KiB: no growth per call
     assert_bitwise_identical(json.loads((out / "summary.json").read_text()), reference.summary)
+    # The spare's state came over TLS, pinned to the certificate it reported (a plaintext
+    # or wrongly pinned transfer would have failed its join: trainer/transfer.py).
+    log = (out / "logs" / "controller.log").read_text()
+    assert "over TLS, state before step" in log and "over TCP" not in log, log[-3000:]

@@ -43,6 +43,7 @@ async def test_a_restarted_worker_gets_a_fresh_id_joins_and_enters_at_a_commit()
     (donor_agent, donate), = h.messages("donate")
     (joiner_agent, join), = h.messages("join")
     assert (donate.joiner, donate.address, joiner_agent) == (3, "10.0.0.3:7000", "a1")
+    assert donate.tls_sha256 == ""  # a plaintext control plane: a plain TCP transfer
     assert donate.token == join.token and len(join.token) == 32 and donate.donor == join.donor
     assert h.coord.replicas[donate.donor].agent_id == donor_agent
     assert h.coord.joins.joins[3].phase == "transferring"

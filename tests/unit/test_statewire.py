@@ -130,3 +130,78 @@ def test_a_joiner_accepts_only_the_donor_with_its_token() -> None:
         listener.accept("s3cret", 0.3)
     listener.close()
     stranger.close()
+
+
+class Tap:
+    """A TCP relay that records what crosses it (what someone on the network would see)."""
+
+    def __init__(self, target: str) -> None:
+        self.seen = bytearray()
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._server.getsockname()[1]}"
+        host, port = target.rsplit(":", 1)
+        self._target = (host, int(port))
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        client, _ = self._server.accept()
+        upstream = socket.create_connection(self._target)
+        for a, b in ((client, upstream), (upstream, client)):
+            threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                self.seen += data
+                sink.sendall(data)
+            sink.shutdown(socket.SHUT_WR)
+        except OSError:  # either end went away: so does the relay
+            pass
+
+
+def test_over_tls_a_donor_streams_encrypted_and_only_to_the_certificate_reported() -> None:
+    """Issue 22: with a control plane on TLS, the joiner's listener presents a certificate
+    made for it and the donor pins the digest the controller handed it. On the wire: neither
+    the token nor the state's bytes in the clear."""
+    listener = Listener("127.0.0.1", tls=True)
+    assert len(listener.tls_sha256) == 64
+    # A plaintext stranger who even knows the token gets nowhere (no TLS handshake).
+    stranger = socket.create_connection(tuple(listener.address.rsplit(":", 1)))  # type: ignore[arg-type]
+    Stream(stranger).send(FrameKind.HELLO, pb.TransferHello(token="s3cret", donor=9, joiner=1))
+    tap = Tap(listener.address)
+    secret = torch.full((1024,), 7.25)
+    sent: list[Stream] = []
+
+    def donate() -> None:
+        stream = connect(tap.address, pb.TransferHello(token="s3cret", donor=2, joiner=1), 5.0,
+                         tls_sha256=listener.tls_sha256)
+        stream.send(FrameKind.STEP, pb.CatchUpStep(step=3, tensors=[
+            pb.TensorMeta(dtype="float32", shape=[1024], nbytes=4096)]), [secret])
+        sent.append(stream)
+
+    donor = threading.Thread(target=donate)
+    donor.start()
+    stream, hello = listener.accept("s3cret", 10.0)
+    assert hello.donor == 2
+    kind, message, tensors = stream.receive()
+    assert kind is FrameKind.STEP and message.step == 3 and torch.equal(tensors[0], secret)
+    donor.join(10)
+    assert b"s3cret" not in tap.seen and as_bytes(secret).tobytes()[:64] not in tap.seen
+    assert len(tap.seen) > 4096  # the bytes did cross the tap, encrypted
+    stream.close()
+    sent[0].close()
+    stranger.close()
+    # A donor handed another digest refuses the peer before sending anything: the joiner
+    # (accepting meanwhile) never hears its hello.
+    refused: list[BaseException] = []
+    gave_up = threading.Event()
+    waiting = threading.Thread(target=lambda: refused.append(pytest.raises(
+        TransferError, listener.accept, "s3cret", 60.0, gave_up.is_set).value))
+    waiting.start()
+    with pytest.raises(TransferError, match="its certificate is not the one the joiner reported"):
+        connect(listener.address, pb.TransferHello(token="s3cret", donor=2, joiner=1), 30.0,
+                tls_sha256="0" * 64)
+    gave_up.set()
+    waiting.join(30)
+    assert "no longer waiting for a donor" in str(refused[0])
+    listener.close()

@@ -28,13 +28,18 @@ async def new_leader(h: Harness, resumed_from: pb.CheckpointMeta | None = None) 
     return successor
 
 
+PIN = "ab" * 32
+"""The joiner's transfer certificate: a donor streams only to it, whichever leader sends it."""
+
+
 async def joining_when_the_leader_dies() -> Harness:
     """Two members, and a spare host's replica 2 joining."""
     h = Harness(make_job(replicas=2, steps=10, m=4))
     h.job.spares = 1
     await h.start()
     await h.coord.register_agent("late", "host-late", 1)
-    await h.coord.worker_ready(2, pb.Ready(pid=7, transfer_address="10.0.0.2:7000"))
+    await h.coord.worker_ready(2, pb.Ready(pid=7, transfer_address="10.0.0.2:7000",
+                                           transfer_tls_sha256=PIN))
     return h
 
 
@@ -42,6 +47,7 @@ async def joining_when_the_leader_dies() -> Harness:
 async def test_a_join_in_flight_starts_over_with_the_new_leader():
     h = await joining_when_the_leader_dies()
     assert h.messages("join")  # the old leader started the join, then died
+    assert [d.tls_sha256 for _, d in h.messages("donate")] == [PIN]
     await commit(h)
 
     h2 = await new_leader(h)
@@ -53,6 +59,7 @@ async def test_a_join_in_flight_starts_over_with_the_new_leader():
     (_, join), = h2.messages("join")
     (_, donate), = h2.messages("donate")
     assert join.joiner == 2 and donate.address == "10.0.0.2:7000" and join.attempt == 1
+    assert donate.tls_sha256 == PIN  # kept with the joiner's address in its agent's record
     assert h2.coord.members == [0, 1] and 2 in h2.coord.joins.joins
 
 
