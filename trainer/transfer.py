@@ -187,6 +187,10 @@ def _transfer_certificate() -> tuple[ssl.SSLContext, str]:
             .not_valid_after(now + datetime.timedelta(days=3650)).sign(key, hashes.SHA256()))
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_3
+    # No session tickets: the donor never reads, and unread bytes in its socket (tickets
+    # sent after the handshake) make its close a reset, which discards the state's last
+    # bytes on their way to the joiner.
+    context.num_tickets = 0
     # ssl loads a key only from a file: one in a private folder, gone once loaded.
     with tempfile.TemporaryDirectory(prefix="recover-transfer-") as folder:
         cert_path, key_path = os.path.join(folder, "cert.pem"), os.path.join(folder, "key.pem")

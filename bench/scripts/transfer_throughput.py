@@ -159,6 +159,8 @@ def send_once(variant: str, state: dict[str, Any], flat: torch.Tensor, mb: int,
                                       tls_sha256=pin), 0, snapshot, 0)
         donation.finish_before(0)  # no steps to catch up: END follows the snapshot
         donation.done.wait(120)
+        if donation.failed:
+            print(f"donation failed: {donation.failed}", file=sys.stderr)
         assert not donation.failed, donation.failed
     elif variant == "stream-fresh":
         snapshot = encode(state)

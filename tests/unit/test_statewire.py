@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import pytest
 import torch
@@ -204,4 +205,28 @@ def test_over_tls_a_donor_streams_encrypted_and_only_to_the_certificate_reported
     gave_up.set()
     waiting.join(30)
     assert "no longer waiting for a donor" in str(refused[0])
+    listener.close()
+
+
+def test_over_tls_a_donor_that_closes_at_once_loses_none_of_its_bytes() -> None:
+    """The donor closes right after its last frame; the joiner reads it all afterwards. (A
+    TLS server's session tickets, unread in the donor's socket, would turn that close into
+    a reset that discards the bytes still on their way.)"""
+    listener = Listener("127.0.0.1", tls=True)
+    state = torch.arange(2 << 20, dtype=torch.float32)  # 8 MB: more than the socket buffers
+    accepted: list[Stream] = []
+    joiner = threading.Thread(target=lambda: accepted.append(listener.accept("s3cret", 30.0)[0]))
+    joiner.start()
+    donor = connect(listener.address, pb.TransferHello(token="s3cret", donor=2, joiner=1), 30.0,
+                    tls_sha256=listener.tls_sha256)
+    joiner.join(30)
+    sending = threading.Thread(target=lambda: (donor.send(FrameKind.STEP, pb.CatchUpStep(
+        step=1, tensors=[pb.TensorMeta(dtype="float32", shape=[2 << 20], nbytes=8 << 20)]),
+        [state]), donor.close()))
+    sending.start()
+    time.sleep(0.2)  # the donor has closed (or is closing) before the joiner reads
+    _, _, tensors = accepted[0].receive()
+    sending.join(30)
+    assert torch.equal(tensors[0], state)
+    accepted[0].close()
     listener.close()
