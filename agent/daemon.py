@@ -132,6 +132,8 @@ class Agent:
         self._transfer_host = "127.0.0.1"
         self._tasks: list[asyncio.Task[None]] = []
         self._warm: WarmStarter | None = None
+        self._starting: set[int] = set()
+        """Replicas whose worker is being started (the warm interpreter may still import)."""
 
     def relay(self, report: pb.WorkerReport) -> None:
         kind = report.WhichOneof("kind")
@@ -156,7 +158,9 @@ class Agent:
     def _registration(self, resume: bool) -> pb.AgentMessage:
         """The first message of a session: register, or rejoin a new leader with live workers."""
         cfg = self.config
-        live = sorted(r for r, w in self.workers.items() if w.process.returncode is None)
+        # A replica still starting counts: it reports ready to whichever leader listens then.
+        live = sorted({r for r, w in self.workers.items() if w.process.returncode is None}
+                      | self._starting)
         return pb.AgentMessage(register=pb.RegisterAgent(
             agent_id=cfg.agent_id, host=socket.gethostname(), slots=cfg.slots, resume=resume,
             replica_ids=live if resume else [], term=self.term, generation=self.generation))
@@ -206,8 +210,13 @@ class Agent:
                 self._tasks += [asyncio.create_task(self._heartbeat()),
                                 asyncio.create_task(watch_for_hangs(self.workers, registered.job))]
                 ranks = max(registered.job.ranks_per_replica, 1)
-                for index, replica in enumerate(registered.replica_ids):
-                    await self._spawn(index * ranks, replica)
+                # Started in the background: the first start may wait seconds for the warm
+                # interpreter, and meanwhile the session must be read (a leader lost during
+                # the start is noticed, and the next one joined, at once).
+                self._starting.update(registered.replica_ids)
+                self._tasks.append(asyncio.create_task(self._spawn_all(
+                    [(index * ranks, replica)
+                     for index, replica in enumerate(registered.replica_ids)])))
                 if len(registered.replica_ids) * ranks < cfg.slots:
                     log.info("slots %d-%d wait for room in the job (it has its replicas); "
                              "the controller assigns them replicas when it has room",
@@ -293,8 +302,20 @@ class Agent:
             await self._warm.close()
             self._warm = None
 
+    async def _spawn_all(self, slots: list[tuple[int, int]]) -> None:
+        """Start these (slot, replica) workers one after the other."""
+        for slot, replica in slots:
+            await self._spawn(slot, replica)
+
     async def _spawn(self, slot: int, replica: int) -> None:
         """Start the worker of `replica` on `slot` and watch it."""
+        self._starting.add(replica)
+        try:
+            await self._start_replica(slot, replica)
+        finally:
+            self._starting.discard(replica)
+
+    async def _start_replica(self, slot: int, replica: int) -> None:
         log_dir = Path(self.config.log_dir) if self.config.log_dir else None
         command = self._worker_command()
         if self.config.attach_pid is not None:

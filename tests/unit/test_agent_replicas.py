@@ -79,3 +79,14 @@ def test_every_process_lists_each_replicas_ranks_in_order() -> None:
         return listed
 
     assert asyncio.run(build()) == [(0, 0), (0, 1), (1, 0)]
+
+
+def test_a_replica_still_starting_is_named_to_a_new_leader() -> None:
+    """An agent rejoining a new leader while a worker is being started (its warm interpreter
+    may import for seconds) names that replica too: it reports ready to the new leader then,
+    instead of being declared lost in the takeover."""
+    agent = Agent(AgentConfig(controller="127.0.0.1:1", slots=2))
+    agent._starting.add(7)
+    registration = agent._registration(resume=True).register
+    assert list(registration.replica_ids) == [7] and registration.resume
+    assert list(agent._registration(resume=False).register.replica_ids) == []
