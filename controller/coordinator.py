@@ -38,6 +38,7 @@ from recover.controller import (
 from recover.controller.events import EventLog
 from recover.controller.jobstate import TERMINAL, JobState, StepProgress
 from recover.controller.joinreports import JoinReports
+from recover.controller.ledger import AppliedVerdict, Ledger
 from recover.controller.records import PersistedJob, Records
 from recover.controller.recoveries import RecoveryTracker, observed_phase
 from recover.controller.store import Store
@@ -89,11 +90,7 @@ class Coordinator:
         self.heartbeats: dict[str, float] = {}
         """When each agent was last heard (the failure detector's input)."""
         self._progress = StepProgress()
-        self.steps: list[pb.StepRecord] = []
-        """The ledger: every committed step's record, in order."""
-        self._failures_in_ledger = 0
-        """How many of the failures (in order) step records hold: the rest go in the next."""
-        self._commit_waits: dict[int, list[float]] = {}
+        self.ledger = Ledger()
         self.stale_reports = 0
         self.transfers: list[tuple[int, float]] = []
         """(bytes, seconds) of every snapshot transferred, for metrics and the summary."""
@@ -104,7 +101,7 @@ class Coordinator:
         self.done = asyncio.Event()
         self._ending: asyncio.Future[None] | None = None
         """The end being announced (held so the shielded task is not collected)."""
-        self.joins = JoinReports(lambda: self.view, lambda: self.steps, self.transfers,
+        self.joins = JoinReports(lambda: self.view, lambda: self.ledger.steps, self.transfers,
                                  self._run, self._run_now)
         self.throughput = ThroughputEstimator()
         """Each replica's seconds per microbatch, from its reports (quota policies use it)."""
@@ -126,6 +123,11 @@ class Coordinator:
     finished_at = property(lambda self: self.view.finished_at)
     recoveries = property(lambda self: self.view.recoveries)
     redos = property(lambda self: self.view.redos)
+
+    @property
+    def steps(self) -> list[pb.StepRecord]:
+        """The ledger: every committed step's record, in order."""
+        return self.ledger.steps
 
     @property
     def members(self) -> list[int]:
@@ -168,8 +170,8 @@ class Coordinator:
         plans = self.policy.with_measurements(self.speeds(), self.view.plan)
         return Draft(self.view, Facts(
             now=self._clock(), policy=plans, token=_token, rendezvous=self._rendezvous,
-            ledger_len=len(self.steps), last_record=self.steps[-1] if self.steps else None,
-            unrecorded_failures=tuple(self.recovery.failures[self._failures_in_ledger:])))
+            ledger_len=len(self.steps), last_record=self.ledger.last,
+            unrecorded_failures=self.ledger.unrecorded(self.recovery.failures)))
 
     async def _run(self, transition: Transition[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         draft = self._draft()
@@ -233,11 +235,9 @@ class Coordinator:
                 self.steals.begin(self.view, self._clock(), self.speeds())
             case effects.CommitStep(record, next_plan):
                 before_store = self._clock()
-                await self.records.commit_step(record, self.steps[-1] if self.steps else None,
-                                               next_plan)
+                await self.records.commit_step(record, self.ledger.last, next_plan)
                 self.recovery.committed(before_store)
-                self.steps.append(record)
-                self._failures_in_ledger += len(record.failures)
+                self.ledger.committed(record)
                 self._progress.reduced.clear()
                 self.steals.begin(self.view if next_plan is not None else None, self._clock(),
                                   self.speeds())
@@ -270,9 +270,8 @@ class Coordinator:
         """Take over from a previous leader: rebuild the job's state from what it persisted
         (and, for a job resumed from a checkpoint, the ledger of the steps before it)."""
         resumed = list(resumed_from.ledger) if resumed_from is not None else None
-        self.steps = takeover.ledger(persisted, resumed)
+        self.ledger.load(takeover.ledger(persisted, resumed))
         self.recovery.failures = list(persisted.failures)
-        self._failures_in_ledger = sum(len(r.failures) for r in self.steps)
         self.events.restore(persisted.events)
         # The agents notice the old leader's silence about when we win the
         # election; give them their own timeout and then some to rejoin.
@@ -283,10 +282,9 @@ class Coordinator:
 
     def resume_from(self, checkpoint: pb.CheckpointMeta) -> None:
         """Start from a checkpoint's step, its ledger as the steps committed before it."""
-        self.steps = list(checkpoint.ledger)
+        self.ledger.load(checkpoint.ledger)
         # The failures before the resume, as the ledger kept them (summary.json shows them).
-        self.recovery.failures = [f for record in self.steps for f in record.failures]
-        self._failures_in_ledger = len(self.recovery.failures)
+        self.recovery.failures = self.ledger.failures()
         recoveries = len({(f.step, f.generation) for f in self.recovery.failures})
         self._run_now(lambda d: d.set(step=checkpoint.step, recoveries=recoveries))
         self.events.emit("resumed", f"from the checkpoint of step {checkpoint.step} "
@@ -420,18 +418,13 @@ class Coordinator:
         self._speeds = None
 
     async def applied(self, replica: int, msg: pb.Applied) -> None:
-        if not 0 <= msg.step < len(self.steps):
+        verdict = self.ledger.applied(replica, msg)
+        if verdict is AppliedVerdict.STALE:
             self.stale_reports += 1
             return
-        record = self.steps[msg.step]
-        if any(d.replica == replica for d in record.param_sha256):
-            return  # replayed to a new leader that already had it from the store
-        record.param_sha256.append(pb.ReplicaDigest(replica=replica, param_sha256=msg.param_sha256))
-        waits = sorted([*self._commit_waits.get(msg.step, []), msg.commit_wait_s])
-        self._commit_waits[msg.step] = waits
-        record.commit_wait_s = waits[len(waits) // 2]
-        digests = {d.param_sha256 for d in record.param_sha256}
-        if len(digests) > 1:
+        if verdict is AppliedVerdict.KNOWN:
+            return
+        if verdict is AppliedVerdict.DIVERGED:
             self.events.emit("divergence", f"replicas disagree on parameters after step {msg.step}",
                              step=msg.step, level=logging.ERROR)
         await self.maybe_finish()
