@@ -19,7 +19,7 @@ def exact_run(tmp_path: Path, replicas: int, *kills: str, extra: tuple[str, ...]
     args = [*EXACT_ARGS, "--replicas", str(replicas), *extra]
     for kill in kills:
         args += ["--kill", kill]
-    result = run_recover(tmp_path, *args)
+    result = run_recover(tmp_path, *args, agents=2)
     assert result.returncode == 0, result.stderr
     return result.summary
 
@@ -128,7 +128,7 @@ def test_non_finite_gradient_fails_the_job_instead_of_redoing_forever(tmp_path: 
     """A NaN gradient overflows every scale: after a bounded number of redos the job
     must end with a reason, the steps before it committed and nothing after it."""
     args = [*EXACT_ARGS, "--replicas", "2", "--kill", "step=2,replica=1,phase=nan"]
-    result = run_recover(tmp_path, *args, timeout=90)
+    result = run_recover(tmp_path, *args, timeout=90, agents=2)
     assert result.returncode == 1, result.stderr
     assert "non-finite" in result.stderr and "Traceback" not in result.stderr
     summary = result.summary

@@ -55,7 +55,7 @@ def test_a_kill_in_each_phase_of_a_step(tmp_path: Path, reference: dict[str, Any
              for a in ("--kill", f"step={step},replica={replica},phase={phase}")]
     assert BASE_ARGS[:2] == ["--replicas", "4"]
     result = run_recover(tmp_path, "--replicas", "5", *BASE_ARGS[2:], *NO_RESTARTS, *kills,
-                         plot=True)
+                         plot=True, agents=2)
     assert result.returncode == 0, result.stderr
     summary = result.summary
     # The run against wall time, drawn at the end (cli/timeline.py's figure is unit-tested).
@@ -88,7 +88,7 @@ def test_two_lost_at_once_and_failures_during_recovery(tmp_path: Path,
                          "--kill", "step=3,replica=0,phase=backward",
                          "--kill", "step=3,replica=3,phase=rebuild",
                          "--kill", "step=5,replica=4,phase=backward",
-                         "--kill", "step=5,replica=5,phase=recompute", timeout=180)
+                         "--kill", "step=5,replica=5,phase=recompute", timeout=180, agents=2)
     assert result.returncode == 0, result.stderr
     summary = result.summary
     assert_same_training(summary, reference)
