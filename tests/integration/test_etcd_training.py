@@ -25,6 +25,7 @@ def test_training_survives_an_etcd_member_loss(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         recover_cmd("run", "--replicas", "3", "--steps", "30", "-M", "6", "-B", "4", "--seed", "3",
                     "--quiet", "--job-id", "etcd-job", "--store", cluster.url, "--out", str(out),
+                    "--agents", "1",  # the store is the subject: one emulated host
                     "--kill", "step=12,replica=1,phase=backward"),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

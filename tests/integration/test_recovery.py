@@ -102,7 +102,7 @@ def test_external_kill_minus_nine(tmp_path: Path, reference: dict[str, Any]) -> 
     """A worker killed from outside, with no cooperation, recovers like an injected one."""
     # More steps than the reference so there is time to aim; compare the common prefix.
     args = [a if a != "6" else "40" for a in BASE_ARGS]
-    proc = subprocess.Popen(recover_cmd("run", *args, "--out", str(tmp_path)),
+    proc = subprocess.Popen(recover_cmd("run", *args, "--agents", "1", "--out", str(tmp_path)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         port_file = tmp_path / "controller.port"

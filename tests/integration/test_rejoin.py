@@ -99,7 +99,7 @@ def test_churn_brings_capacity_back_bitwise_without_leaks(tmp_path: Path,
     steps = reference["steps_committed"]
     at = ARGS.index("--steps") + 1
     args = [*ARGS[:at], "100000", *ARGS[at + 1:]]
-    proc = subprocess.Popen(recover_cmd("run", "--out", str(out), *args,
+    proc = subprocess.Popen(recover_cmd("run", "--out", str(out), "--agents", "1", *args,
                                         *[p for k in kills for p in ("--kill", k)]),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -216,8 +216,9 @@ def test_a_job_that_lost_everything_resumes_bitwise_from_its_checkpoint(
     the uninterrupted run's."""
     # Real processes: a payload would run as the workers agents spawn, from the file `--resume` picks.
     out, checkpoints = tmp_path / "run", tmp_path / "checkpoints"
-    proc = subprocess.Popen(recover_cmd("run", "--out", str(out), *ARGS, "--checkpoint-dir",
-                                        str(checkpoints), "--checkpoint-every", "10"),
+    proc = subprocess.Popen(recover_cmd("run", "--out", str(out), "--agents", "1", *ARGS,
+                                        "--checkpoint-dir", str(checkpoints),
+                                        "--checkpoint-every", "10"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: any(step >= 30 for step, _ in ckptfile.listed(checkpoints)), 150,
