@@ -1,0 +1,71 @@
+"""What reducing a model's buffers costs a step (issue 23): `recover run` of
+examples/batchnorm.py (a ConvNet with BatchNorm) with `--buffers reduce` (the running
+statistics reduced like gradients, inside the guarantee) against `--buffers local` (each
+replica's own, outside it), alternating, several rounds, in fast and exact mode. CPU-bound
+steps (no emulated compute): the reduction's share is the largest there.
+
+    python bench/scripts/buffers_overhead.py --rounds 5 --out bench/results/buffers-overhead
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "batchnorm.py"
+
+
+def step_s(summary: dict) -> float:
+    """Median seconds between commits, the first three steps (start-up) left out."""
+    t = [x for x in summary["committed_at_s_per_step"] if x is not None]
+    return statistics.median(b - a for a, b in zip(t[3:], t[4:], strict=False))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--width", type=int, default=8, help="the example's channel width")
+    parser.add_argument("--out", default="runs/buffers-overhead")
+    args = parser.parse_args()
+    out = Path(args.out)
+    variants = [(mode, buffers) for mode in ("fast", "exact") for buffers in ("local", "reduce")]
+    results: dict[str, list[float]] = {f"{m} {b}": [] for m, b in variants}
+    for round_ in range(args.rounds):
+        # Rotate the first variant, so that none always runs on a cold or warm machine.
+        order = variants[round_ % len(variants):] + variants[:round_ % len(variants)]
+        for mode, buffers in order:
+            run = out / f"r{round_}-{mode}-{buffers}"
+            done = subprocess.run(
+                [sys.executable, "-m", "recover.cli.main", "run", "--out", str(run), "--quiet",
+                 "--no-plot", "--replicas", "2", "--steps", str(args.steps), "-M", "4",
+                 "--seed", "1", "--reduce", mode, "--",
+                 "python", str(EXAMPLE), "--buffers", buffers, "--width", str(args.width)],
+                capture_output=True, text=True, timeout=600)
+            if done.returncode != 0:
+                raise SystemExit(f"{run}: {done.stderr[-2000:]}")
+            results[f"{mode} {buffers}"].append(step_s(json.loads((run / "summary.json").read_text())))
+            print(f"round {round_}: {mode} {buffers}: {results[f'{mode} {buffers}'][-1] * 1000:.1f} "
+                  "ms/step", flush=True)
+    median = {label: statistics.median(times) for label, times in results.items()}
+    ratios = {mode: median[f"{mode} reduce"] / median[f"{mode} local"] for mode in ("fast", "exact")}
+    per_round = {mode: [r / loc for r, loc in zip(results[f"{mode} reduce"],
+                                                  results[f"{mode} local"], strict=True)]
+                 for mode in ("fast", "exact")}
+    for mode in ("fast", "exact"):
+        print(f"{mode}: reduce {median[f'{mode} reduce'] * 1000:.1f} ms, local "
+              f"{median[f'{mode} local'] * 1000:.1f} ms: {ratios[mode]:.3f}x (per round "
+              f"{', '.join(f'{r:.3f}' for r in per_round[mode])}; target <= 1.02)")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({
+        "rounds": results, "median_s": median, "reduce_vs_local": ratios,
+        "per_round": per_round, "target": 1.02, "steps": args.steps, "width": args.width},
+        indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
