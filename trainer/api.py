@@ -389,4 +389,3 @@ def _workload(job: Job, model: Any, optimizer: Any, microbatches: Any, loss_fn: 
                     max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
                     on_step_committed=on_step_committed, extra_state=extra, buffers=buffers,
                     loss_scaler=scaler)
-

@@ -72,9 +72,13 @@ class AppliedStep:
     """What applying a committed step did."""
 
     lr: float
+    """The learning rate of the optimizer's first parameter group."""
     grad_norm: float | None
+    """The reduced gradient's global norm before clipping (None without max_grad_norm)."""
     loss_scale: float | None = None
+    """The loss scale the step's backward used (None without loss scaling)."""
     skipped: bool = False
+    """The optimizer did not step: the reduced gradient was not finite."""
     loss_scale_factor: float = 1.0
     """What the next step's loss scale is, relative to this step's."""
 
@@ -268,7 +272,7 @@ class Workload:
             skip = self.loss_scaler.commit(finite).skip
             factor = self.loss_scaler.scale / scale
             if not skip:
-                for bucket in grads.buckets:  # exact: the scale is a power of two
+                for bucket in grads.buckets:  # exact for a power of two (the defaults)
                     bucket.flat.mul_(1.0 / scale)
         norm = None
         if self.max_grad_norm is not None and not skip:
