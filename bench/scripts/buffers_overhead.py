@@ -16,13 +16,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from recover.bench.overhead import steady_intervals
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "batchnorm.py"
 
 
 def step_s(summary: dict) -> float:
     """Median seconds between commits, the first three steps (start-up) left out."""
-    t = [x for x in summary["committed_at_s_per_step"] if x is not None]
-    return statistics.median(b - a for a, b in zip(t[3:], t[4:], strict=False))
+    ends = [x for x in summary["committed_at_s_per_step"] if x is not None]
+    return statistics.median(steady_intervals(ends, 3))
 
 
 def main() -> None:

@@ -17,13 +17,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from recover.bench.overhead import steady_intervals
+
 JOB = Path(__file__).with_name("prefetch_job.py")
 
 
 def step_s(summary: dict) -> float:
     """Median seconds between commits, the first two steps (start-up) left out."""
-    t = [x for x in summary["committed_at_s_per_step"] if x is not None]
-    return statistics.median(b - a for a, b in zip(t[2:], t[3:], strict=False))
+    ends = [x for x in summary["committed_at_s_per_step"] if x is not None]
+    return statistics.median(steady_intervals(ends, 2))
 
 
 def main() -> None:
