@@ -10,6 +10,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import ssl
 import subprocess
 import sys
@@ -129,6 +130,9 @@ def test_the_ha_recipe_trains_over_mutual_tls(tmp_path: Path) -> None:
         context.load_cert_chain(str(tls / "host0.pem"), str(tls / "host0-key.pem"))
         with urllib.request.urlopen(url, context=context, timeout=10) as response:
             assert "recover_controller_is_leader 1.0" in response.read().decode()
+        # Checked: end the controller's linger (`--linger 30` keeps it answering for the
+        # checks above, however long they take) as systemd stops it; it exits cleanly.
+        controller.send_signal(signal.SIGTERM)
         assert controller.wait(timeout=60) == 0
     finally:
         for process in started:
