@@ -75,7 +75,7 @@ def on_step(info: rt.StepInfo) -> None:
     if writer is not None:
         writer.add_scalar("train/loss", info.loss, info.step)
         writer.add_scalar("train/lr", info.lr, info.step)
-        if info.loss_scale is not None:  # and info.skipped: the gradient was not finite
+        if info.loss_scale is not None:  # fp16 (info.skipped: the step's gradient overflowed)
             writer.add_scalar("train/loss_scale", info.loss_scale, info.step)
     if (info.step + 1) % args.eval_every:
         return
