@@ -76,7 +76,7 @@ def restore(d: Draft, persisted: PersistedJob, steps: list[pb.StepRecord],
     until `deadline` for the agents to rejoin."""
     view = persisted.view
     members = set(view.members) if view is not None else set()
-    joiners: dict[int, str] = {}
+    joiners: set[int] = set()
     for record in persisted.agents:
         ids = tuple(record.replica_ids)
         d.put_agent(Agent(record.agent_id, record.host, ids, alive=False,
@@ -84,7 +84,7 @@ def restore(d: Draft, persisted: PersistedJob, steps: list[pb.StepRecord],
         for r in ids:
             joining = view is not None and r not in members and r in record.join_addresses
             if joining:
-                joiners[r] = record.join_addresses[r]
+                joiners.add(r)
             state = (ReplicaState.ASSIGNED if view is None else ReplicaState.MEMBER
                      if r in members else ReplicaState.READY if joining else ReplicaState.LOST)
             d.put_replica(Replica(r, record.agent_id, state=state,
@@ -119,7 +119,8 @@ def restore(d: Draft, persisted: PersistedJob, steps: list[pb.StepRecord],
               scale_epoch=view.plan.scale_epoch if view.plan.step == step else 0,
               plan={} if held is None else {a.replica: tuple(a.microbatch_ids)
                                             for a in held.assignments})
-    d.set(takeover=TakeoverWait(persisted, deadline, frozenset(expected), joiners=joiners))
+    d.set(takeover=TakeoverWait(persisted, deadline, frozenset(expected),
+                                joiners=frozenset(joiners)))
     d.emit("takeover", f"rebuilt from the store: {step} steps committed, generation "
            f"{d.v.generation}, members {list(d.v.members)}; waiting for {len(expected)} "
            "agents to rejoin", step=step, generation=d.v.generation)

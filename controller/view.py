@@ -114,9 +114,9 @@ class TakeoverWait:
     expected: frozenset[str]
     """Agents whose rejoin it waits for: those hosting members or joiners."""
     rejoined: frozenset[str] = frozenset()
-    joiners: Mapping[int, str] = field(default_factory=_empty)
-    """Replicas that were joining (or spares) when the old leader went, with their transfer
-    addresses: their joins start over once their agents rejoin."""
+    joiners: frozenset[int] = frozenset()
+    """Replicas that were joining (or spares) when the old leader went: their joins start
+    over once their agents rejoin (their transfer endpoints are in `replicas`)."""
 
 
 @dataclass(frozen=True)
