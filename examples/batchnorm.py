@@ -14,6 +14,7 @@ line per step (accuracy, eval loss, a digest of the buffers) from the first repl
 import argparse
 import hashlib
 import json
+import os
 
 import torch
 from torch import nn
@@ -28,6 +29,11 @@ parser.add_argument("--save", default="", help="write the final state_dict here"
 args = parser.parse_args()
 
 job = rt.init()
+if job.reduce == "exact" and job.device.type == "cuda":
+    # Exact mode recomputes a lost replica's microbatches elsewhere and needs the same bits
+    # there: a convolution's backward on a GPU picks nondeterministic kernels otherwise.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
 torch.manual_seed(job.seed)  # every replica builds the same model and data
 
 # 8x8 one-channel images of 4 classes: which quadrant holds a bright blob, plus noise.
@@ -44,18 +50,18 @@ def images(count: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.
 
 
 train_set = torch.utils.data.TensorDataset(*images(2048, torch.Generator().manual_seed(1)))
-eval_x, eval_y = images(512, torch.Generator().manual_seed(2))
+eval_x, eval_y = (t.to(job.device) for t in images(512, torch.Generator().manual_seed(2)))
 
 width = args.width
 model = nn.Sequential(
     nn.Conv2d(1, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
     nn.Conv2d(width, 2 * width, 3, stride=2, padding=1), nn.BatchNorm2d(2 * width), nn.ReLU(),
-    nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * width, CLASSES))
+    nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * width, CLASSES)).to(job.device)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
 def loss_fn(model, batch):
-    x, y = batch
+    x, y = (t.to(job.device) for t in batch)
     return nn.functional.cross_entropy(model(x), y)
 
 
@@ -69,7 +75,7 @@ def evaluate(info: rt.StepInfo) -> None:
     model.train()
     buffers = hashlib.sha256()
     for name, tensor in model.named_buffers():
-        buffers.update(name.encode() + tensor.numpy().tobytes())
+        buffers.update(name.encode() + tensor.cpu().numpy().tobytes())
     line = {"step": info.step, "accuracy": float((logits.argmax(1) == eval_y).float().mean()),
             "eval_loss": float(nn.functional.cross_entropy(logits, eval_y)),
             "buffers_sha256": buffers.hexdigest()}

@@ -14,6 +14,7 @@ What changed from the plain loop: no `for step in ...`, no `backward()`/`step()`
 
 import argparse
 import json
+import os
 
 import torch
 from toy_transformer import TinyTransformer, corpus, cross_entropy
@@ -37,8 +38,13 @@ parser.add_argument("--save", default="", help="write the final state_dict here"
 args = parser.parse_args()
 
 job = rt.init()
+if job.reduce == "exact" and job.device.type == "cuda":
+    # Exact mode recomputes a lost replica's microbatches elsewhere and needs the same bits
+    # there: an embedding's backward on a GPU accumulates with atomics otherwise.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
 torch.manual_seed(job.seed)  # every replica builds the same model
-model = TinyTransformer(width=32, depth=2)
+model = TinyTransformer(width=32, depth=2).to(job.device)  # a slot's GPU, or the CPU
 optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
 warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=5)
 # Compile the module ReCoVer computes with; its parameters are the model's own, so the
@@ -56,7 +62,8 @@ train_set, eval_set = data[:3584], data[3584:]
 def loss_fn(model, batch):
     # Autocast around the forward only; the loss is computed in float32. No GradScaler: with
     # fp16, train(loss_scale=...) scales the loss before ReCoVer's backward.
-    with torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None):
+    batch = batch.to(job.device)
+    with torch.autocast(job.device.type, dtype=amp or torch.bfloat16, enabled=amp is not None):
         logits = forward(batch[:, :-1])
     return cross_entropy(logits.float(), batch[:, 1:]), batch[:, 1:].numel()
 
@@ -80,8 +87,10 @@ def on_step(info: rt.StepInfo) -> None:
     if (info.step + 1) % args.eval_every:
         return
     model.eval()
-    with torch.no_grad(), torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None):
-        eval_loss = float(cross_entropy(model(eval_set[:, :-1]).float(), eval_set[:, 1:]))
+    with torch.no_grad(), torch.autocast(job.device.type, dtype=amp or torch.bfloat16,
+                                        enabled=amp is not None):
+        evaluated = eval_set.to(job.device)
+        eval_loss = float(cross_entropy(model(evaluated[:, :-1]).float(), evaluated[:, 1:]))
     model.train()
     if writer is not None:
         writer.add_scalar("eval/loss", eval_loss, info.step)

@@ -120,6 +120,9 @@ class _Group:
         _copy_all(lives, self._committed)
 
     def commit(self, mean: torch.Tensor) -> None:
+        # A joiner's catch-up steps arrive from the wire on the host; the buffers may live on
+        # a GPU (found by scripts/gpu_check.sh: a restarted BatchNorm replica's first step).
+        mean = mean.to(self.committed_flat.device)
         if self.integer:  # round half to even: deterministic, and a counter's mean is whole
             self.committed_flat.add_(torch.round(mean))
             offset = 0
