@@ -48,7 +48,11 @@ def _worker(cfg: dict[str, Any]) -> None:
 
     torch.set_num_threads(1)
     port, rank, world, mode = cfg["port"], cfg["rank"], cfg["world"], cfg["mode"]
-    group = GenerationGroup(GroupSpec(1, rank, world, "127.0.0.1", port, WORKER_TIMEOUT_S))
+    # `staged`: through host staging, as a GPU bucket would go: in pieces whose reductions
+    # are in flight together (groups/staging.py); 52 MB, so five pieces.
+    staged = cfg.get("staged", False)
+    group = GenerationGroup(GroupSpec(1, rank, world, "127.0.0.1", port, WORKER_TIMEOUT_S),
+                            force_staging=staged)
 
     def on_stdin() -> None:  # the "controller says abort" thread
         for line in sys.stdin:
@@ -79,11 +83,14 @@ def _worker(cfg: dict[str, Any]) -> None:
         time.sleep(600)
         return
 
-    buf = torch.full((100_000,), float(rank + 1))
+    pattern = torch.arange(13_000_000 if staged else 100_000, dtype=torch.float32) % 1000 + 1
+    buf = pattern * (rank + 1)
     _emit("allreduce_start")
     try:
         group.allreduce_sum_(buf)
-        _emit("sum", value=buf[0].item(), uniform=bool((buf == buf[0]).all()))
+        # Every element the sum of the ranks' (each piece where it belongs, reduced once).
+        _emit("sum", value=buf[0].item(),
+              exact=bool(torch.equal(buf, pattern * (world * (world + 1) // 2))))
     except CollectiveAborted as e:
         _emit("raised", where="allreduce", msg=str(e)[:200], aborted=group.aborted)
     t0 = time.monotonic()
@@ -184,20 +191,24 @@ def spawn() -> Iterator[Any]:
         w.kill()
 
 
-def test_allreduce_sum_three_ranks(server: Any, spawn: Any) -> None:
-    ws = [spawn(port=server.port, rank=r, world=3, mode="sum") for r in range(3)]
+@pytest.mark.parametrize("staged", [False, True], ids=["in-place", "staged-in-pieces"])
+def test_allreduce_sum_three_ranks(server: Any, spawn: Any, staged: bool) -> None:
+    # Staged: the pipelined pieces of a GPU bucket's path, summed by real gloo processes
+    # (each piece's reduction started before the earlier ones are waited for).
+    ws = [spawn(port=server.port, rank=r, world=3, mode="sum", staged=staged) for r in range(3)]
     for w in ws:
         got = w.expect("sum")
-        assert got["value"] == 6.0 and got["uniform"]
+        assert got["value"] == 6.0 and got["exact"]
         assert w.expect("closed")["close_s"] < 2.0
     for w in ws:
         assert w.proc.wait(timeout=10) == 0
 
 
-def _survivors_and_victim(server: Any, spawn: Any, n: int) -> tuple[list[Worker], Worker]:
+def _survivors_and_victim(server: Any, spawn: Any, n: int,
+                          staged: bool = False) -> tuple[list[Worker], Worker]:
     """n survivors plus a victim in the middle of the ring (rank 1) for generation 1."""
     survivors = [spawn(port=server.port, rank=r if r < 1 else r + 1, world=n + 1,
-                       mode="survivor", rank2=r, world2=n) for r in range(n)]
+                       mode="survivor", rank2=r, world2=n, staged=staged) for r in range(n)]
     victim = spawn(port=server.port, rank=1, world=n + 1, mode="victim")
     for w in [*survivors, victim]:
         w.expect("connected")
@@ -224,7 +235,9 @@ def _check_rebuild(survivors: list[Worker]) -> None:
 
 
 def test_killed_peer_fails_survivors_then_rebuild(server: Any, spawn: Any) -> None:
-    survivors, victim = _survivors_and_victim(server, spawn, 3)
+    # Staged in pieces: the survivors fail with a piece's reduction in flight and the later
+    # pieces' started; every one must end (no hang, no leaked socket) before the rebuild.
+    survivors, victim = _survivors_and_victim(server, spawn, 3, staged=True)
     t_kill = time.monotonic()
     victim.proc.send_signal(signal.SIGKILL)
     for w in survivors:

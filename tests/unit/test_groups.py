@@ -21,7 +21,13 @@ from recover.trainer.groups import (
 from recover.trainer.groups.fake import FakeGroup, FakeRendezvous, FakeWorld, MemberKilled
 from recover.trainer.groups.gloo import GenerationGroup, RendezvousServer
 from recover.trainer.groups.nccl import NcclGroup, nccl_available
-from recover.trainer.groups.staging import MAX_CACHED, HostStaging, needs_staging, staged_reduce
+from recover.trainer.groups.staging import (
+    MAX_CACHED,
+    HostStaging,
+    blocking,
+    needs_staging,
+    staged_reduce,
+)
 
 torch.set_num_threads(1)
 JOIN_S = 30.0  # safety net only
@@ -88,13 +94,13 @@ def test_a_staged_reduce_goes_through_one_cached_host_copy_each_way() -> None:
         host.mul_(3)
 
     buffer = torch.arange(6, dtype=torch.float64)
-    staged_reduce(buffer, reduce_host, staging, force=True)
+    staged_reduce(buffer, blocking(reduce_host), staging, force=True)
     assert seen[0].data_ptr() != buffer.data_ptr()  # reduced elsewhere, copied back
     assert torch.equal(buffer, torch.arange(6, dtype=torch.float64) * 3)
-    staged_reduce(buffer, reduce_host, staging, force=True)
-    assert seen[1] is seen[0] and len(staging) == 1  # the same staging tensor, not a new one
-    staged_reduce(buffer.float(), reduce_host, staging, force=True)
-    assert seen[2] is not seen[0] and len(staging) == 2  # another dtype, another tensor
+    staged_reduce(buffer, blocking(reduce_host), staging, force=True)
+    assert seen[1].data_ptr() == seen[0].data_ptr() and len(staging) == 1  # the same one
+    staged_reduce(buffer.float(), blocking(reduce_host), staging, force=True)
+    assert seen[2].data_ptr() != seen[0].data_ptr() and len(staging) == 2  # another dtype, another tensor
 
 
 def test_a_failed_staged_reduce_leaves_the_buffer_alone_and_drops_its_staging() -> None:
@@ -106,18 +112,72 @@ def test_a_failed_staged_reduce_leaves_the_buffer_alone_and_drops_its_staging() 
 
     buffer = torch.ones(4)
     with pytest.raises(CollectiveAborted):
-        staged_reduce(buffer, fail, staging, force=True)
+        staged_reduce(buffer, blocking(fail), staging, force=True)
     assert torch.equal(buffer, torch.ones(4)) and len(staging) == 0
+
+
+class PiecewiseReduction:
+    """A reduction whose pieces finish only when waited for, recording what happened when."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.events: list[tuple[str, int]] = []
+        self.fail_at = fail_at
+        self.pieces: list[torch.Tensor] = []
+
+    def start(self, host: torch.Tensor):  # type: ignore[no-untyped-def]
+        index = len(self.pieces)
+        self.pieces.append(host)
+        self.events.append(("start", index))
+
+        def wait() -> None:
+            self.events.append(("wait", index))
+            if index == self.fail_at:
+                host.fill_(-1)
+                raise CollectiveAborted("peer lost")
+            host.mul_(10)  # "the sum over the members"
+        return wait
+
+
+def test_a_staged_reduce_starts_every_piece_before_waiting_and_copies_each_back() -> None:
+    reduction = PiecewiseReduction()
+    staging = HostStaging(piece_bytes=16)  # 4 floats a piece
+    buffer = torch.arange(18, dtype=torch.float32)
+    staging.reduce(buffer, reduction.start)
+    assert [len(p) for p in reduction.pieces] == [4, 4, 4, 4, 2]
+    # Pipelined: every piece is in flight before the first is waited for, and each is
+    # waited for once, in the order started.
+    assert reduction.events == [("start", i) for i in range(5)] + [("wait", i) for i in range(5)]
+    assert torch.equal(buffer, torch.arange(18, dtype=torch.float32) * 10)
+    assert len(staging) == 1
+    # A buffer of fewer than MIN_PIECES pieces goes whole (one collective).
+    small = PiecewiseReduction()
+    staging.reduce(torch.ones(12), small.start)
+    assert [len(p) for p in small.pieces] == [12]
+
+
+def test_a_piece_that_fails_leaves_the_later_pieces_alone_and_every_piece_is_waited_for() -> None:
+    reduction = PiecewiseReduction(fail_at=1)
+    staging = HostStaging(piece_bytes=16)
+    buffer = torch.arange(18, dtype=torch.float32)
+    with pytest.raises(CollectiveAborted, match="peer lost"):
+        staging.reduce(buffer, reduction.start)
+    # The piece reduced before the failure is back; the failed one and the later ones are
+    # as they were (the caller reduces a copy anyway); the later pieces' reductions are
+    # still waited for, so nothing is left in flight on the group.
+    assert torch.equal(buffer[:4], torch.arange(4, dtype=torch.float32) * 10)
+    assert torch.equal(buffer[4:], torch.arange(4, 18, dtype=torch.float32))
+    assert reduction.events[5:] == [("wait", i) for i in range(5)]
+    assert len(staging) == 0  # the staging tensor the failed reduction wrote is dropped
 
 
 def test_host_buffers_are_reduced_in_place_and_the_cache_is_bounded() -> None:
     buffer = torch.ones(3)
-    staged_reduce(buffer, lambda host: host.add_(1))
+    staged_reduce(buffer, blocking(lambda host: host.add_(1)))
     assert not needs_staging(buffer) and torch.equal(buffer, torch.full((3,), 2.0))
     assert needs_staging(torch.empty(2, device="meta"))
     staging = HostStaging()
     for n in range(MAX_CACHED + 3):
-        staged_reduce(torch.zeros(n + 1), lambda host: None, staging, force=True)
+        staged_reduce(torch.zeros(n + 1), blocking(lambda host: None), staging, force=True)
     assert len(staging) == MAX_CACHED
 
 
@@ -148,7 +208,7 @@ def test_the_gloo_group_stages_through_host_memory_when_told_to() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="no CUDA device: the staging of a GPU buffer cannot run here")
 def test_the_gloo_group_reduces_a_cuda_buffer_through_pinned_memory() -> None:
-    buffer = torch.linspace(-1, 1, 1 << 16, device="cuda")
+    buffer = torch.linspace(-1, 1, 13_000_000, device="cuda")  # 52 MB: five pieces
     expected = buffer.clone()
     staging = one_member_gloo(buffer, force_staging=False)
     assert torch.equal(buffer, expected) and len(staging) == 1

@@ -31,6 +31,8 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -166,7 +168,7 @@ class GenerationGroup:
         self._wake = threading.Event()  # set by the builder thread or by abort()
         self._aborted = False
         self._closed = False
-        self._busy = False  # allreduce_sum_() in flight
+        self._in_flight = 0  # collectives started and not yet waited for
         self._before: set[int] | None = None  # socket inodes that existed before connect()
         self._owned: set[int] | None = None  # socket inodes this generation may shut down
         self._error: str | None = None
@@ -238,41 +240,62 @@ class GenerationGroup:
         _BUILDERS.discard(threading.current_thread())
 
     def allreduce_sum_(self, buffer: torch.Tensor) -> None:
-        """In-place SUM allreduce of a contiguous CPU tensor, or of a device tensor through a
-        host copy (one copy each way, the host tensor pinned and reused).
+        """In-place SUM allreduce of a contiguous CPU tensor, or of a device tensor through
+        pinned host copies pipelined with the reduction of its pieces (groups/staging.py).
 
         After a failure the buffer may be partially reduced: callers pass a copy.
         """
-        if buffer.device.type == "cpu" and not buffer.is_contiguous():
+        if not buffer.is_contiguous():
             raise ValueError("allreduce_sum_ needs a contiguous tensor")
-        staged_reduce(buffer, self._allreduce_host, self._staging, self._force_staging)
+        staged_reduce(buffer, self._start_allreduce, self._staging, self._force_staging)
 
-    def _allreduce_host(self, buffer: torch.Tensor) -> None:
+    def _start_allreduce(self, host: torch.Tensor) -> Callable[[], None]:
+        """Start reducing a host tensor; the returned function waits for it. Collectives
+        started one after the other complete in that order on every member."""
         with self._lock:
             self._check()
             pg = self._pg
             if pg is None:
                 raise RuntimeError("allreduce_sum_() before connect()")
-            self._busy = True
-        error: str | None = None
+            self._in_flight += 1
+        started: str | None = None
         try:
-            work = pg.allreduce([buffer], dist.AllreduceOptions())  # type: ignore[attr-defined]
-            del pg
-            work.wait()  # no timeout here: gloo's own timeout fails the op cleanly
-            del work
+            work = pg.allreduce([host], dist.AllreduceOptions())  # type: ignore[attr-defined]
         except Exception as e:  # noqa: BLE001
-            error = f"generation {self.spec.generation} allreduce failed: {e}"
-        with self._lock:
-            self._busy = False
-        if error is not None:
-            # Shut our own sockets too: every peer then fails in ms instead of
-            # waiting for its timeout. Raised outside the except block, so no
-            # __context__ chain keeps the failed group's frames alive.
+            started = f"generation {self.spec.generation} allreduce failed: {e}"
+        del pg
+        if started is not None:
+            self._failed(started)
+        waited = False
+
+        def wait() -> None:
+            nonlocal work, waited
+            if waited:
+                return
+            waited = True
+            error: str | None = None
+            try:
+                work.wait()  # no timeout here: gloo's own timeout fails the op cleanly
+            except Exception as e:  # noqa: BLE001
+                error = f"generation {self.spec.generation} allreduce failed: {e}"
+            del work
+            if error is not None:
+                self._failed(error)
             with self._lock:
-                self._error = self._error or error
-            self.abort()
-            raise CollectiveAborted(error)
-        self._check()  # abort() raced with a successful reduction: result not trusted
+                self._in_flight -= 1
+            self._check()  # abort() raced with a successful reduction: result not trusted
+
+        return wait
+
+    def _failed(self, error: str) -> NoReturn:
+        # Shut our own sockets too: every peer then fails in ms instead of waiting for its
+        # timeout. Raised outside any except block, so no __context__ chain keeps the
+        # failed group's frames alive.
+        with self._lock:
+            self._in_flight -= 1
+            self._error = self._error or error
+        self.abort()
+        raise CollectiveAborted(error)
 
     def abort(self) -> None:
         """Thread-safe, idempotent, returns within milliseconds; fails a blocked connect()
@@ -298,7 +321,7 @@ class GenerationGroup:
     def close(self) -> None:
         """Drop every reference (group, store) so sockets are released; never hangs."""
         with self._lock:
-            if self._busy or (self._before is not None and self._owned is None):
+            if self._in_flight or (self._before is not None and self._owned is None):
                 # An operation or build is in flight in another thread: fail it first
                 # (destroying a group with a collective in flight hangs).
                 self._aborted = True
