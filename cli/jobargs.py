@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 
 from google.protobuf.message import DecodeError
 
@@ -113,6 +114,19 @@ def restart_count(text: str) -> int:
     if not 0 <= value <= 1000:
         raise argparse.ArgumentTypeError(f"must be between 0 and 1000, got {value}")
     return value
+
+
+def bounded_count(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: a whole number in [low, high], or one line saying what it must be."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be between {low} and {high}, got {value}")
+        return value
+    return parse
 
 
 def positive_seconds(text: str) -> float:

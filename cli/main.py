@@ -49,12 +49,14 @@ from recover.cli.jobargs import (
     Parser,
     UsageError,
     add_job_arguments,
+    bounded_count,
     job_from_args,
     parse_address,
     positive_seconds,
     restart_count,
 )
 from recover.common.lifetime import die_with_parent
+from recover.controller.rendezvous import MAX_KEYS, MAX_MB
 
 JOB_COMMANDS = (("run",), ("controller",), ("bench", "throughput"), ("bench", "overhead"))
 """Subcommands that take job flags (and a `--job FILE`)."""
@@ -165,6 +167,13 @@ def build_parser() -> Parser:
                           "checked against the checkpoint's")
     ctl.add_argument("--summary-out", default=None, metavar="DIR",
                      help="write DIR/summary.json when the job ends (as `recover run` does)")
+    ctl.add_argument("--rendezvous-max-mb", type=bounded_count(4, 1 << 20), default=MAX_MB,
+                     help="memory the rendezvous store may take in beyond its own; at half of "
+                          "it the store is reset (default %(default)s)")
+    ctl.add_argument("--rendezvous-max-keys", type=bounded_count(1000, 1 << 30),
+                     default=MAX_KEYS,
+                     help="keys the rendezvous store may hold before it is reset "
+                          "(default %(default)s)")
     add_security_arguments(ctl)
 
     agent = sub.add_parser("agent", help="run one host's workers",
@@ -301,7 +310,8 @@ def _run_controller(args: argparse.Namespace) -> int:
                               metrics_plain=args.metrics_plain, advertise=args.advertise,
                               controller_id=args.controller_id, lease_ttl_s=args.lease_ttl,
                               summary_dir=args.summary_out, start_grace_s=args.start_grace,
-                              security=security)
+                              rendezvous_max_mb=args.rendezvous_max_mb,
+                              rendezvous_max_keys=args.rendezvous_max_keys, security=security)
     try:
         return asyncio.run(serve(config, job))
     except OSError as exc:

@@ -24,7 +24,7 @@ from recover.controller.gate import Gate, add_service
 from recover.controller.leader import ElectionConfig, LeaderElection, LeaderStore, LostLeadership
 from recover.controller.metrics import ControllerCollector, RoleCollector
 from recover.controller.records import Records
-from recover.controller.rendezvous import RendezvousHost
+from recover.controller.rendezvous import MAX_KEYS, MAX_MB, RendezvousHost
 from recover.controller.service import (
     KEEPALIVE_SERVER_OPTIONS,
     AgentSessions,
@@ -82,6 +82,11 @@ class ControllerConfig:
     start_grace_s: float = 10.0
     """After a worker failed during startup: how long its replacement gets before the job
     starts with fewer replicas (admission.start_decision)."""
+    rendezvous_max_mb: int = MAX_MB
+    """Memory the rendezvous store may take in beyond its own (a stranger's flood is refused
+    there); at half of it the store is reset (controller/rendezvous_store.py)."""
+    rendezvous_max_keys: int = MAX_KEYS
+    """Keys the rendezvous store may hold before it is reset."""
     security: Security = Security()
     """TLS / mutual TLS / bearer tokens for the gRPC server and the metrics endpoint
     (common/security.py); empty: plaintext, anyone who reaches the port is anonymous."""
@@ -118,7 +123,8 @@ async def serve(config: ControllerConfig, job: pb.JobConfig) -> int:
     holds the leader lease; otherwise it stands by (answers status, refuses
     agent sessions with the leader's address) and takes over when it can.
     """
-    rendezvous = RendezvousHost(config.host)
+    rendezvous = RendezvousHost(config.host, max_mb=config.rendezvous_max_mb,
+                                max_keys=config.rendezvous_max_keys)
     store = open_store(config.store_url)
     await wait_for_store(store, config.store_url)
     security = config.security

@@ -1,6 +1,7 @@
 """An attacker on the network, scripted against real running jobs (security off, loopback):
 impersonation and forged reports are refused by session, the rendezvous store keeps its
-keys, and a job does not outlive its launcher. The job's result stays bitwise its own."""
+keys and bounds a stranger's writes, and a job does not outlive its launcher. The job's
+result stays bitwise its own."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from recover.controller.rendezvous import MAX_MB
 from recover.proto import pb, rpc
 from tests.integration.conftest import (
     alive,
@@ -71,6 +73,21 @@ def test_impostors_forged_reports_and_strangers_change_nothing(tmp_path: Path) -
         port = wait_for(lambda: (out / "controller.port").exists()
                         and (out / "controller.port").read_text(), 60, "the controller")
         address = f"127.0.0.1:{port}"
+        # 0. A stranger floods the rendezvous store while the workers start (and may be
+        # building the first group on it): refused within the bound of the store's own
+        # process, which is reset; the job goes on, bitwise (checked at the end).
+        from torch.distributed import TCPStore
+
+        store_address = wait_for(lambda: _logged_rendezvous(out), 30, "the rendezvous address")
+        flood = TCPStore(*store_address, is_master=False, timeout=timedelta(seconds=30))
+        written = 0
+        with pytest.raises(RuntimeError):
+            for _ in range(2 * MAX_MB):
+                flood.set(f"flood/{written}", b"x" * (1 << 20))
+                written += 1
+        assert written <= MAX_MB + 16, written  # + what the socket buffers hold
+        controller_log = out / "logs" / "controller.log"
+        wait_for(lambda: "reset (" in controller_log.read_text(), 60, "the store's reset")
         wait_for(lambda: (s := control_status(address)) is not None and s.steps_committed >= 3
                  and len(s.live_replicas) == 2, 90, "step 3 on two replicas")
         # 1. Impersonation: a registration claiming a live agent's id.
@@ -100,8 +117,6 @@ def test_impostors_forged_reports_and_strangers_change_nothing(tmp_path: Path) -
             rogue.outgoing.put(message)
         # 3. A stranger at the rendezvous store: it does not listen beyond loopback, and the
         # group's keys are under a prefix the stranger cannot know.
-        from torch.distributed import TCPStore
-
         host, store_port = _rendezvous(out)
         sockets = subprocess.run(["ss", "-ltnH"], capture_output=True, text=True).stdout
         bound = [line.split()[3] for line in sockets.splitlines()
@@ -131,12 +146,20 @@ def test_impostors_forged_reports_and_strangers_change_nothing(tmp_path: Path) -
 
 def _rendezvous(out: Path) -> tuple[str, int]:
     """The rendezvous address the controller logged at start."""
-    for line in (out / "logs" / "controller.log").read_text().splitlines():
+    address = _logged_rendezvous(out)
+    if address is None:
+        raise AssertionError("no rendezvous address in the controller log")
+    return address
+
+
+def _logged_rendezvous(out: Path) -> tuple[str, int] | None:
+    log = out / "logs" / "controller.log"
+    for line in (log.read_text() if log.exists() else "").splitlines():
         if "rendezvous " in line:
             address = line.split("rendezvous ", 1)[1].split(",", 1)[0]
             host, _, port = address.rpartition(":")
             return host, int(port)
-    raise AssertionError("no rendezvous address in the controller log")
+    return None
 
 
 @pytest.mark.timeout(300)
