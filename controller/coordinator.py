@@ -7,16 +7,15 @@ never touches sockets, which keeps it testable without a network.
 Every change to the job's state is a transition (membership.py, losses.py, joinflow.py,
 commits.py, operations.py, takeover.py): it gets a `Draft` of the view and `Facts`, and
 returns the new view with the effects it asks for (view.py, effects.py). This module is
-the one writer of `view`; it carries out the effects in their order, which puts every
-store write before the messages that depend on it. The per-message paths (heartbeats,
-reports of the step in flight, parameter digests) stay here and run a transition only
-when they complete something: every member reduced (a commit), every member applied the
-last step (the end).
+the one writer of `view`; interpreter.py carries out the effects in their order, which puts
+every store write before the messages that depend on it. The per-message paths
+(heartbeats, reports of the step in flight, parameter digests) run a transition only when
+they complete something: every member reduced (a commit; inflight.py gathers the step),
+every member applied the last step (the end).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import secrets
 import time
@@ -25,24 +24,24 @@ from typing import Concatenate, ParamSpec, TypeVar
 
 from recover.controller import (
     commits,
-    effects,
     joinflow,
     losses,
     membership,
     operations,
     policy,
-    reports,
     stealflow,
     takeover,
 )
 from recover.controller.events import EventLog
-from recover.controller.jobstate import TERMINAL, JobState, StepProgress
+from recover.controller.inflight import Complete, Drop, Stale, StepInFlight
+from recover.controller.interpreter import EffectInterpreter
+from recover.controller.jobstate import TERMINAL, JobState
 from recover.controller.joinreports import JoinReports
 from recover.controller.ledger import AppliedVerdict, Ledger
 from recover.controller.records import PersistedJob, Records
-from recover.controller.recoveries import RecoveryTracker, observed_phase
+from recover.controller.recoveries import RecoveryTracker
 from recover.controller.store import Store
-from recover.controller.throughput import Speeds, ThroughputEstimator
+from recover.controller.throughput import Speeds
 from recover.controller.transitions import fail, maybe_finish
 from recover.controller.view import Agent, Draft, Facts, JobView, Replica, TakeoverWait
 from recover.proto import pb
@@ -81,7 +80,6 @@ class Coordinator:
         self.records = Records(store, job.job_id)
         self.policy = policy.policy_for(job.policy)
         """Who computes which microbatches (the job's `policy`)."""
-        self._send = send
         self._rendezvous = rendezvous
         self._agent_timeout_s = agent_timeout_s
         self._clock = clock
@@ -89,26 +87,20 @@ class Coordinator:
         self.recovery = RecoveryTracker(self.events, self.records, clock)
         self.heartbeats: dict[str, float] = {}
         """When each agent was last heard (the failure detector's input)."""
-        self._progress = StepProgress()
+        self.inflight = StepInFlight(clock)
+        """The step between two commits: who reduced it, speeds, work-stealing."""
         self.ledger = Ledger()
-        self.stale_reports = 0
-        self.transfers: list[tuple[int, float]] = []
-        """(bytes, seconds) of every snapshot transferred, for metrics and the summary."""
+        self._effects = EffectInterpreter(
+            view=lambda: self.view, send=send, records=self.records, events=self.events,
+            recovery=self.recovery, ledger=self.ledger, inflight=self.inflight, clock=clock)
+        self.done = self._effects.done
+        """Set once the job's end is stored and announced."""
         self.rejected: dict[str, int] = {}
         """Refused registrations, reports and calls, by reason (controller/authz.py)."""
         self.last_checkpoint: pb.CheckpointWritten | None = None
         self.created_at = clock()
-        self.done = asyncio.Event()
-        self._ending: asyncio.Future[None] | None = None
-        """The end being announced (held so the shielded task is not collected)."""
-        self.joins = JoinReports(lambda: self.view, lambda: self.ledger.steps, self.transfers,
-                                 self._run, self._run_now)
-        self.throughput = ThroughputEstimator()
-        """Each replica's seconds per microbatch, from its reports (quota policies use it)."""
-        self._speeds: Speeds | None = None
-        """The last snapshot of `throughput` (it changes only when a step commits)."""
-        self.steals = stealflow.StealBook()
-        """Work-stealing: what the members of the step in flight reported of their progress."""
+        self.joins = JoinReports(lambda: self.view, lambda: self.ledger.steps,
+                                 self._effects.transfers, self._run, self._run_now)
 
     # ------------------------------------------------------------ the view, read-only
 
@@ -160,9 +152,21 @@ class Coordinator:
 
     def speeds(self) -> Speeds:
         """Measured seconds per microbatch of each replica measured so far (a snapshot)."""
-        if self._speeds is None:
-            self._speeds = self.throughput.snapshot()
-        return self._speeds
+        return self.inflight.speeds()
+
+    @property
+    def steals(self) -> stealflow.StealBook:
+        return self.inflight.steals
+
+    @property
+    def stale_reports(self) -> int:
+        """Reports fenced off as stale (an older generation or step, a replaced attempt)."""
+        return self._effects.stale_reports
+
+    @property
+    def transfers(self) -> list[tuple[int, float]]:
+        """(bytes, seconds) of every snapshot transferred, for metrics and the summary."""
+        return self._effects.transfers
 
     def _draft(self) -> Draft:
         # A quota policy plans from measured speeds and, for its hysteresis, the plan the
@@ -185,7 +189,7 @@ class Coordinator:
         result = transition(draft, *args, **kwargs)
         self.view, todo = draft.freeze()
         for effect in todo:
-            if not self._carry_out_now(effect):
+            if not self._effects.now(effect):
                 raise AssertionError(f"{transition.__name__} asked for {effect!r}: run it "
                                      "with _run")
         return result
@@ -193,75 +197,8 @@ class Coordinator:
     async def _settle(self, draft: Draft) -> None:
         self.view, todo = draft.freeze()
         for effect in todo:
-            if not self._carry_out_now(effect):
-                await self._carry_out(effect)
-
-    def _carry_out_now(self, effect: effects.Effect) -> bool:
-        match effect:
-            case effects.Send(agent_id, message):
-                self._send(agent_id, message)
-            case effects.Emit(kind, message, step, generation, replica, level, pid):
-                self.events.emit(kind, message, step=step, generation=generation,
-                                 replica=replica, level=level, pid=pid)
-            case effects.RecordFailure():
-                phase = effect.phase or observed_phase(
-                    effect.replica, started=effect.started, resumed=self._progress.resumed,
-                    reduced=self._progress.reduced)
-                self.recovery.failed(effect.replica, effect.cause, effect.exited,
-                                     step=effect.step, generation=effect.generation,
-                                     phase=phase, during_training=effect.during_training)
-                self.throughput.forget(effect.replica)  # ids are never reused
-                self._speeds = None
-            case effects.Stale():
-                self.stale_reports += 1
-            case effects.Transferred(nbytes, seconds):
-                self.transfers.append((nbytes, seconds))
-            case _:
-                return False
-        return True
-
-    async def _carry_out(self, effect: effects.Effect) -> None:
-        match effect:
-            case effects.SaveAgent(job, record):
-                await self.records.save_agent(job, record)
-            case effects.SaveJob(job):
-                await self.records.save_job(job)
-            case effects.SaveWorkload(workload):
-                await self.records.save_workload(workload)
-            case effects.StartGeneration(view):
-                self._progress = StepProgress()
-                self.recovery.generation_started()
-                await self.records.save_view(view, self.events.take_pending())
-                self.steals.begin(self.view, self._clock(), self.speeds())
-            case effects.CommitStep(record, next_plan):
-                before_store = self._clock()
-                await self.records.commit_step(record, self.ledger.last, next_plan)
-                self.recovery.committed(before_store)
-                self.ledger.committed(record)
-                self._progress.reduced.clear()
-                self.steals.begin(self.view if next_plan is not None else None, self._clock(),
-                                  self.speeds())
-            case effects.SavePlan(plan):
-                await self.records.save_plan(plan)
-            case effects.SaveLastStep():
-                await self.records.save_step(self.steps[-1])
-            case effects.End():
-                # Shielded: the caller is usually an agent's stream handler, and the agent
-                # closes its stream as soon as it hears the shutdown, which cancels the
-                # handler; the end must still run to `done` (or the controller never
-                # writes its summary nor exits).
-                self._ending = asyncio.ensure_future(self._announce_end(effect))
-                await asyncio.shield(self._ending)
-            case _:
-                raise AssertionError(f"no way to carry out {effect!r}")
-
-    async def _announce_end(self, end: effects.End) -> None:
-        await self.records.save_result(end.result)
-        shutdown = pb.ControllerMessage(shutdown=end.result)
-        for agent_id in end.agents:
-            self._send(agent_id, shutdown)
-        await self.events.flush()
-        self.done.set()
+            if not self._effects.now(effect):
+                await self._effects.later(effect)
 
     # ------------------------------------------------------------ a new leader, a resume
 
@@ -364,63 +301,43 @@ class Coordinator:
 
     async def resumed(self, replica: int, msg: pb.Resumed) -> None:
         v = self.view
-        if msg.generation != v.generation or replica not in v.members:
-            self.stale_reports += 1
+        last = self.inflight.resumed(v, replica, msg)
+        if last is None:
+            self._effects.stale_reports += 1
             return
-        self._progress.resumed[replica] = msg.at
-        self.recovery.resumed(replica, max(self._progress.resumed.values()), msg.rebuild_s,
-                              set(self._progress.resumed), list(v.members), v.step, v.generation)
+        self.recovery.resumed(replica, last, msg.rebuild_s, set(self.inflight.progress.resumed),
+                              list(v.members), v.step, v.generation)
 
     async def reduced(self, replica: int, msg: pb.Reduced) -> None:
-        v = self.view
-        if (v.state is not JobState.RUNNING or msg.generation != v.generation
-                or msg.step != v.step or replica not in v.members):
-            # Fencing: a report from an older generation or step must not count.
-            self.stale_reports += 1
-            return
-        wrong = reports.unplanned_ids(replica, v.step, v.plan.get(replica, ()),
-                                      msg.microbatch_ids)
-        if wrong is not None:
-            await self.members_lost([replica], f"{wrong}: dropped like a crash", cause="refused")
-            return
-        self._progress.reduced[replica] = msg
-        if set(self._progress.reduced) >= set(v.members):
-            reported = [self._progress.reduced[m] for m in v.members]
-            self._measure(reported)
-            await self._run(commits.commit, reported)
+        match self.inflight.reduced(self.view, replica, msg):
+            case Stale():
+                self._effects.stale_reports += 1
+            case Drop(reason):
+                await self.members_lost([replica], reason, cause="refused")
+            case Complete(reported):
+                await self._run(commits.commit, reported)
 
     async def progress(self, replica: int, msg: pb.Progress) -> None:
-        if replica in self.view.members and self.steals.progress(replica, msg, self._clock()):
+        if self.inflight.progress_reported(self.view, replica, msg):
             self._steer()
 
     async def released(self, replica: int, msg: pb.Released) -> None:
-        settled = self.steals.released(replica, msg, self._clock())
+        settled = self.inflight.released(replica, msg)
         if settled is None:
-            self.stale_reports += 1
+            self._effects.stale_reports += 1
             return
         if settled.microbatch_ids:
             await self._run(stealflow.hand_over, settled)
         self._steer()
 
     def _steer(self) -> None:
-        moves = self.steals.decide(self._clock())
-        if moves.steals or moves.close:
-            shares = {m: member.share for m, member in self.steals.members.items()}
-            self._run_now(stealflow.steer, moves, shares)
-
-    def _measure(self, reported: list[pb.Reduced]) -> None:
-        """Each member's speed in the step about to commit (its microbatches and compute time
-        add up over the generations of the step, so a recovery keeps the ratio true). An
-        exact-mode redo restarts the step's microbatches but not the time: left out."""
-        for member, report in zip(self.view.members, reported, strict=True):
-            if not report.overflow and not report.scale_epoch:
-                self.throughput.observe(member, len(report.microbatch_ids), report.compute_s)
-        self._speeds = None
+        if (moves := self.inflight.moves()) is not None:
+            self._run_now(stealflow.steer, *moves)
 
     async def applied(self, replica: int, msg: pb.Applied) -> None:
         verdict = self.ledger.applied(replica, msg)
         if verdict is AppliedVerdict.STALE:
-            self.stale_reports += 1
+            self._effects.stale_reports += 1
             return
         if verdict is AppliedVerdict.KNOWN:
             return
