@@ -265,10 +265,10 @@ def model_buffers(model: torch.nn.Module, mode: str) -> tuple[ModelBuffers | Non
     if not groups:
         return None, warning
     groups_built = []
-    for (device, dtype, _), members in groups.items():
+    for (device, dtype, integer), members in groups.items():
         size = sum(tensor.numel() for *_, tensor in members)
         bucket = Bucket(device, dtype, [], [tensor.numel() for *_, tensor in members],
-                        torch.zeros(size, dtype=dtype, device=device))
+                        torch.zeros(size, dtype=dtype, device=device), integer=integer)
         groups_built.append(_Group(members, bucket))
     # The digest's order: the model's, not the buckets'.
     inside = {t.name for g in groups_built for t in g.tracked}

@@ -37,6 +37,9 @@ class Bucket:
     flat: torch.Tensor
     pointers: list[int] = field(default_factory=list)
     """data_ptr() of each parameter's gradient view, to notice a replaced `.grad`."""
+    integer: bool = False
+    """It holds integer buffers' deltas (as float64 integers): a float reduction may carry
+    them as exact digits (trainer/limbs.py)."""
 
     @property
     def numel(self) -> int:

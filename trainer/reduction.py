@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from recover.trainer.gradients import Bucket, BucketSet
+from recover.trainer.limbs import LIMBS, join, split
 
 EXACT_BITS = 53
 """float64 holds every integer below 2**53 exactly: the reduced sum must stay below it."""
@@ -92,15 +93,20 @@ class FastAccumulator:
         self._groups: list[tuple[torch.dtype, torch.device]] = []
         self._layout: list[tuple[int, int]] = []
         """Per bucket: its reduce buffer's index and its offset there."""
+        self._digits: list[bool] = []
+        """Per bucket: integers carried as float32 digits (limbs.py) in its device's float32
+        buffer, so that counters cost no allreduce of their own."""
         sizes: list[int] = []
         for bucket, dtype in zip(grads.buckets, dtypes, strict=True):
-            key = (dtype, bucket.device)
+            digits = bucket.integer and (torch.float32, bucket.device) in self._groups
+            key = (torch.float32 if digits else dtype, bucket.device)
             if key not in self._groups:
                 self._groups.append(key)
                 sizes.append(0)
             group = self._groups.index(key)
             self._layout.append((group, sizes[group]))
-            sizes[group] += bucket.numel
+            self._digits.append(digits)
+            sizes[group] += bucket.numel * (LIMBS if digits else 1)
         self._sizes = sizes
         # The statistics ride at the end of the last bucket's buffer when it holds small
         # integers exactly, else in a float64 buffer of their own.
@@ -129,8 +135,12 @@ class FastAccumulator:
             extra = 2 if group == self._stats_group and not self._separate_stats else 0
             buffer = torch.empty(size + extra, dtype=dtype, device=device)
             out.append(buffer)
-        for bucket, (group, offset) in zip(self.grads.buckets, self._layout, strict=True):
-            out[group][offset:offset + bucket.numel].copy_(bucket.flat)  # cast where it must
+        for bucket, (group, offset), digits in zip(self.grads.buckets, self._layout,
+                                                   self._digits, strict=True):
+            if digits:
+                split(bucket.flat, out[group][offset:offset + bucket.numel * LIMBS])
+            else:
+                out[group][offset:offset + bucket.numel].copy_(bucket.flat)  # cast if it must
         stats = torch.tensor([self.loss_sum, float(self.count)],
                              dtype=torch.float64 if self._separate_stats
                              else self._groups[self._stats_group][0],
@@ -146,8 +156,13 @@ class FastAccumulator:
         loss_sum, count = float(stats[0]), int(round(float(stats[1])))
         divisor = max(count, 1)
         means = []
-        for bucket, (group, offset) in zip(self.grads.buckets, self._layout, strict=True):
-            mean = reduced[group][offset:offset + bucket.numel].div_(divisor)
+        for bucket, (group, offset), digits in zip(self.grads.buckets, self._layout,
+                                                   self._digits, strict=True):
+            if digits:
+                mean = join(reduced[group][offset:offset + bucket.numel * LIMBS],
+                            bucket.numel).div_(divisor)
+            else:
+                mean = reduced[group][offset:offset + bucket.numel].div_(divisor)
             means.append(mean if mean.dtype == bucket.dtype else mean.to(bucket.dtype))
         return Reduced(means, loss_sum / divisor, count, 0)
 

@@ -110,6 +110,41 @@ def test_a_step_commits_one_update_with_the_mean_batch_statistics(mode: str) -> 
     assert int(bn.num_batches_tracked) == 1 == int(model[4].num_batches_tracked)  # counts steps
 
 
+class BigCounter(nn.Module):
+    """An integer buffer whose per-forward deltas are far past float32's 2**24."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 1)
+        self.register_buffer("ticks", torch.tensor([0, 5], dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.ticks += torch.tensor([2**40 + 1, -(2**33) - 3])
+        return self.linear(x)
+
+
+def test_fast_mode_reduces_a_float32_model_and_its_counters_in_one_buffer_exactly() -> None:
+    # The counters ride in the gradients' float32 buffer as exact digits (trainer/limbs.py):
+    # one allreduce a step, and an integer update exact far past float32's 2**24.
+    model = BigCounter()
+    workload = Workload(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                        source=FunctionMicrobatches(data), seed=0, loss_fn=mse)
+    workload.source.bind(M, 0)
+    grads = GradientBuckets(workload.params)
+    acc = make_accumulator("fast", reduced_buckets(grads, workload.model_buffers), M)
+    acc.reset()
+    for mb in range(M):
+        acc.before_microbatch()
+        result = workload.compute(0, mb)
+        grads.repair_views()
+        acc.after_microbatch(result.loss)
+    buffers = acc.buffers()
+    assert [b.dtype for b in buffers] == [torch.float32]
+    means = acc.finish(buffers).grads
+    assert means[-1].dtype == torch.float64
+    assert means[-1].tolist() == [2**40 + 1, -(2**33) - 3]  # every microbatch's delta, exactly
+
+
 def test_integer_buffers_advance_by_the_rounded_mean_half_to_even() -> None:
     module = nn.Module()
     module.register_buffer("count", torch.zeros((), dtype=torch.int64))
