@@ -59,11 +59,12 @@ def _agent_counts(text: str) -> list[int]:
 
 
 def add_parsers(kinds: Any) -> None:
-    rec = kinds.add_parser("recovery", help="recovery latency over >= 20 injected failures, "
+    rec = kinds.add_parser("recovery", help="recovery latency over >= 100 injected failures, "
                                             "split by phase")
     rec.add_argument("--out", required=True, metavar="DIR")
-    rec.add_argument("--runs", type=positive_int, default=8,
-                     help="runs of 3 kills each (default 8: 24 failures)")
+    rec.add_argument("--runs", type=positive_int, default=34,
+                     help="runs of 3 kills each (default 34: 102 failures, enough for a p99; "
+                          "about 5 minutes)")
     rec.add_argument("--replicas", "-R", type=positive_int, default=4,
                      help="replicas per run, at least 4 (default 4)")
     rec.add_argument("--run-timeout", type=float, default=90.0, help="seconds per run (default 90)")
