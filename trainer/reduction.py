@@ -1,11 +1,11 @@
-"""Gradient accumulation and the buffers a step reduces: fast (float) or exact (fixed point).
+"""Gradient accumulation and the buffers a step reduces: exact (fixed point) here, fast
+(float) in trainer/fastreduce.py; `make_accumulator` picks one.
 
 Both work on :class:`GradientBuckets` (one flat gradient buffer per device and
 dtype; for a model whose buffers are reduced, followed by its buffer-delta buckets,
-buffers.py, summed, scaled and divided exactly like gradients) and produce
-one buffer to allreduce per bucket; the step's statistics (loss sum, microbatch
-count, overflow count) ride at the end of the last buffer whenever its dtype
-holds them exactly, so a one-dtype model still does one allreduce per step.
+buffers.py, summed, scaled and divided exactly like gradients); the step's statistics
+(loss sum, microbatch count, overflow count) ride at the end of the last buffer whenever
+its dtype holds them exactly, so a one-dtype model does one allreduce per step.
 
 Exact reduction (DESIGN.md "Determinism"): each microbatch's gradient is
 turned into integer fixed point with a power-of-two scale per tensor — the
@@ -36,13 +36,12 @@ nonzero global count makes the controller redo the step at a lower scale
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 
+from recover.trainer.fastreduce import REDUCE_DTYPES, FastAccumulator, Reduced
 from recover.trainer.gradients import Bucket, BucketSet
-from recover.trainer.limbs import LIMBS, join, split
 
 EXACT_BITS = 53
 """float64 holds every integer below 2**53 exactly: the reduced sum must stay below it."""
@@ -56,127 +55,7 @@ EXPONENT_RANGE = (-60, 120)
 """Bounds of a predicted per-tensor scale exponent."""
 MIN_EXPONENT = -126
 """Smallest scale exponent after redos (float32's smallest normal power of two)."""
-REDUCE_DTYPES = ("grad", "float32")
 """Fast mode: reduce in each gradient's own dtype, or in (at least) float32."""
-
-
-@dataclass
-class Reduced:
-    """A reduction's result, divided and ready to apply."""
-
-    grads: list[torch.Tensor]
-    """Mean gradient over the reduced microbatches, one flat tensor per bucket, in its dtype."""
-    loss: float
-    """Mean loss over the reduced microbatches."""
-    microbatches: int
-    overflow: int
-    """Microbatches whose gradient did not fit the exact scale (exact mode; then redo)."""
-
-
-def _holds_counts(dtype: torch.dtype) -> bool:
-    return dtype in (torch.float32, torch.float64)
-
-
-class FastAccumulator:
-    """Float accumulation: backward sums microbatch gradients into `.grad` directly."""
-
-    def __init__(self, grads: BucketSet, reduce_dtype: str = "grad") -> None:
-        if reduce_dtype not in REDUCE_DTYPES:
-            raise ValueError(f"reduce dtype must be one of {', '.join(REDUCE_DTYPES)}, "
-                             f"got {reduce_dtype!r}")
-        self.grads = grads
-        dtypes = [b.dtype if reduce_dtype == "grad" or b.dtype == torch.float64
-                  else torch.float32 for b in grads.buckets]
-        # One reduce buffer per (dtype, device), its buckets one after the other: one
-        # allreduce each, where a model whose buffers are reduced has two or three buckets
-        # (each allreduce more cost ~1.5 ms of a 9 ms step here).
-        self._groups: list[tuple[torch.dtype, torch.device]] = []
-        self._layout: list[tuple[int, int]] = []
-        """Per bucket: its reduce buffer's index and its offset there."""
-        self._digits: list[bool] = []
-        """Per bucket: integers carried as float32 digits (limbs.py) in its device's float32
-        buffer, so that counters cost no allreduce of their own."""
-        sizes: list[int] = []
-        for bucket, dtype in zip(grads.buckets, dtypes, strict=True):
-            digits = bucket.integer and (torch.float32, bucket.device) in self._groups
-            key = (torch.float32 if digits else dtype, bucket.device)
-            if key not in self._groups:
-                self._groups.append(key)
-                sizes.append(0)
-            group = self._groups.index(key)
-            self._layout.append((group, sizes[group]))
-            self._digits.append(digits)
-            sizes[group] += bucket.numel * (LIMBS if digits else 1)
-        self._sizes = sizes
-        # The statistics ride at the end of the last bucket's buffer when it holds small
-        # integers exactly, else in a float64 buffer of their own.
-        self._stats_group = self._layout[-1][0]
-        self._separate_stats = not _holds_counts(self._groups[self._stats_group][0])
-        self.loss_sum = 0.0
-        self.count = 0
-
-    def reset(self, scale_epoch: int = 0) -> None:
-        self.grads.zero()
-        self.loss_sum = 0.0
-        self.count = 0
-
-    def before_microbatch(self) -> None:
-        pass
-
-    def after_microbatch(self, loss: float) -> None:
-        self.loss_sum += loss
-        self.count += 1
-
-    def buffers(self) -> list[torch.Tensor]:
-        """Copies to reduce: an interrupted allreduce leaves its buffer partially reduced."""
-        out = []
-        for group, ((dtype, device), size) in enumerate(zip(self._groups, self._sizes,
-                                                            strict=True)):
-            extra = 2 if group == self._stats_group and not self._separate_stats else 0
-            buffer = torch.empty(size + extra, dtype=dtype, device=device)
-            out.append(buffer)
-        for bucket, (group, offset), digits in zip(self.grads.buckets, self._layout,
-                                                   self._digits, strict=True):
-            if digits:
-                split(bucket.flat, out[group][offset:offset + bucket.numel * LIMBS])
-            else:
-                out[group][offset:offset + bucket.numel].copy_(bucket.flat)  # cast if it must
-        stats = torch.tensor([self.loss_sum, float(self.count)],
-                             dtype=torch.float64 if self._separate_stats
-                             else self._groups[self._stats_group][0],
-                             device=self._groups[self._stats_group][1])
-        if self._separate_stats:
-            out.append(stats)
-        else:
-            out[self._stats_group][-2:] = stats
-        return out
-
-    def finish(self, reduced: list[torch.Tensor]) -> Reduced:
-        stats = reduced[-1] if self._separate_stats else reduced[self._stats_group][-2:]
-        loss_sum, count = float(stats[0]), int(round(float(stats[1])))
-        divisor = max(count, 1)
-        means = []
-        for bucket, (group, offset), digits in zip(self.grads.buckets, self._layout,
-                                                   self._digits, strict=True):
-            if digits:
-                mean = join(reduced[group][offset:offset + bucket.numel * LIMBS],
-                            bucket.numel).div_(divisor)
-            else:
-                mean = reduced[group][offset:offset + bucket.numel].div_(divisor)
-            means.append(mean if mean.dtype == bucket.dtype else mean.to(bucket.dtype))
-        return Reduced(means, loss_sum / divisor, count, 0)
-
-    def observe_committed(self, means: list[torch.Tensor]) -> None:
-        pass
-
-    def loss_scale_changed(self, factor: float) -> None:
-        pass
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
 
 
 class _ExactBucket:
@@ -393,7 +272,7 @@ class ExactAccumulator:
         self._rescale()
 
 
-Accumulator = FastAccumulator | ExactAccumulator
+Accumulator: TypeAlias = FastAccumulator | ExactAccumulator
 
 
 def make_accumulator(mode: str, grads: BucketSet, global_microbatches: int,
@@ -406,3 +285,7 @@ def make_accumulator(mode: str, grads: BucketSet, global_microbatches: int,
     if mode in ("fast", ""):
         return FastAccumulator(grads, reduce_dtype or "grad")
     raise ValueError(f"unknown reduce mode {mode!r} (fast, exact)")
+
+
+__all__ = ["REDUCE_DTYPES", "Accumulator", "ExactAccumulator", "FastAccumulator", "Reduced",
+           "make_accumulator"]
