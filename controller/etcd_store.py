@@ -302,7 +302,8 @@ class EtcdStore(Store):
                         yield KeyChange(revision, None if event.kind == "DELETE"
                                         else bytes(event.kv.value))
                 finally:
-                    await self._cancel_watch(watch)
+                    if not self._closed:  # a closed client's watches ended with its stream
+                        await self._cancel_watch(watch)
             except aetcd.exceptions.RevisionCompactedError:
                 log.warning("watch of %s fell behind a compaction; reading it afresh", key)
                 current = await self._read(key)
@@ -328,10 +329,12 @@ class EtcdStore(Store):
         """Tell etcd to drop a watch, bounded: aetcd's cancel takes its watcher's lock and
         queues a request on the shared watch stream, and a consumer that stopped
         watching must not wait on either for long. If it does not get through, the
-        server-side watch lingers only until the stream or the client closes."""
+        server-side watch lingers only until the stream or the client closes. A cancel that
+        races the store's close finds aetcd's watcher gone (AttributeError on None, seen in a
+        clean-clone run): the watch ended with the client."""
         try:
             await asyncio.wait_for(watch.cancel(), CANCEL_WATCH_S)
-        except (TimeoutError, aetcd.exceptions.ClientError):
+        except (TimeoutError, AttributeError, aetcd.exceptions.ClientError):
             pass
 
     async def grant_lease(self, ttl_s: int) -> int:
