@@ -26,6 +26,7 @@ walks the coordinator's state. Names (all prefixed `recover_`):
 | `recover_leader_term` | gauge | leadership term of the leading controller (1 for the first leader) |
 | `recover_controller_is_leader` | gauge | 1 on the leading controller, 0 on a standby (every controller) |
 | `recover_controller_fenced_writes_total` | counter | store writes refused: no longer the leader |
+| `recover_rendezvous_resets_total` | counter | rendezvous stores reset at their memory or key bound |
 | `recover_job_state` | gauge, by state | 1 for the job's current state |
 | `recover_joining_replicas` | gauge | replicas joining (transferring state or catching up) |
 | `recover_live_spares` | gauge | hot spares: caught up, waiting for a member's place |
@@ -54,6 +55,7 @@ from recover.controller.coordinator import Coordinator, JobState
 from recover.controller.leader import LeaderElection
 from recover.controller.records import STORE_WRITE_BUCKETS
 from recover.controller.recoveries import PHASES
+from recover.controller.rendezvous import RendezvousHost
 
 RECOVERY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 TRANSFER_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0)
@@ -166,11 +168,18 @@ class ControllerCollector(Collector):
 class RoleCollector(Collector):
     """What every controller exports, leading or standing by."""
 
-    def __init__(self, election: LeaderElection) -> None:
+    def __init__(self, election: LeaderElection, rendezvous: RendezvousHost | None = None) -> None:
         self._election = election
+        self._rendezvous = rendezvous
 
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily("recover_controller_is_leader", "1 while this controller leads",
                                 value=1.0 if self._election.holds() else 0.0)
         yield CounterMetricFamily("recover_controller_fenced_writes", "Writes refused: not leader",
                                   value=self._election.refused_writes)
+        if self._rendezvous is not None:
+            # A reset is a store past its memory or key bound: a stranger writing to it, or a
+            # very long job's keys (controller/rendezvous_store.py).
+            yield CounterMetricFamily("recover_rendezvous_resets",
+                                      "Rendezvous stores replaced after reaching a bound",
+                                      value=self._rendezvous.resets)

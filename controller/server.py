@@ -149,7 +149,7 @@ async def serve(config: ControllerConfig, job: pb.JobConfig) -> int:
                               ElectionConfig(ttl_s=config.lease_ttl_s))
     sessions.election = control.election = election
     registry = CollectorRegistry()
-    registry.register(RoleCollector(election))
+    registry.register(RoleCollector(election, rendezvous))
     if config.metrics_port is not None:
         tls = metrics_tls(security, config.metrics_plain)
         metrics_host = config.metrics_host or config.host

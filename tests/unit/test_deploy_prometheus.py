@@ -55,7 +55,8 @@ def exported() -> set[str]:
     agent = SimpleNamespace(workers={}, generation=0, term=0, fenced_commands=0, reconnects=0,
                             heartbeats_sent=0, reports_relayed=0)
     collectors = [controller_metrics.ControllerCollector(harness.coord),
-                  controller_metrics.RoleCollector(election),  # type: ignore[arg-type]
+                  controller_metrics.RoleCollector(election,  # type: ignore[arg-type]
+                                                   SimpleNamespace(resets=0)),
                   agent_metrics.AgentCollector(agent)]  # type: ignore[arg-type]
     return {family.name for collector in collectors for family in collector.collect()}
 

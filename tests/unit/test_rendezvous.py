@@ -9,8 +9,10 @@ from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
+from prometheus_client import CollectorRegistry
 from torch.distributed import TCPStore
 
+from recover.controller.metrics import RoleCollector
 from recover.controller.rendezvous import RendezvousHost
 from recover.controller.rendezvous_store import over_bound
 
@@ -59,8 +61,21 @@ def test_a_flood_is_refused_within_the_bound_and_the_store_is_reset_not_the_cont
         for i in range(2100):
             fresh.set(f"k/{i}", "v")
         assert wait_for(lambda: host.resets >= 2, 60), "the key bound did not reset the store"
+        # Operators see the resets (an attack, or a very long job's keys) in the metrics.
+        registry = CollectorRegistry()
+        registry.register(RoleCollector(FakeElection(), host))  # type: ignore[arg-type]
+        assert registry.get_sample_value("recover_rendezvous_resets_total") == host.resets
     finally:
         host.close()
+
+
+class FakeElection:
+    """What RoleCollector reads of an election (the rendezvous part is what is tested)."""
+
+    refused_writes = 0
+
+    def holds(self) -> bool:
+        return True
 
 
 def rss_bytes() -> int:
