@@ -54,6 +54,13 @@ def steady_intervals(ends: list[float], warmup: int) -> list[float]:
     return [b - a for a, b in zip(kept, kept[1:], strict=False)]
 
 
+def median_step_s(summary: dict[str, Any], warmup: int) -> float:
+    """A run's median seconds between commits (summary.json), the first `warmup` steps
+    (start-up) left out."""
+    ends = [x for x in summary["committed_at_s_per_step"] if x is not None]
+    return statistics.median(steady_intervals(ends, warmup))
+
+
 def order(rep: int) -> list[str]:
     """Mode order of repetition `rep`: rotated so no mode always runs first (pure)."""
     k = rep % len(MODES)

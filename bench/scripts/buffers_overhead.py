@@ -16,15 +16,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from recover.bench.overhead import steady_intervals
+from recover.bench.overhead import median_step_s
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "batchnorm.py"
-
-
-def step_s(summary: dict) -> float:
-    """Median seconds between commits, the first three steps (start-up) left out."""
-    ends = [x for x in summary["committed_at_s_per_step"] if x is not None]
-    return statistics.median(steady_intervals(ends, 3))
 
 
 def main() -> None:
@@ -50,7 +44,8 @@ def main() -> None:
                 capture_output=True, text=True, timeout=600)
             if done.returncode != 0:
                 raise SystemExit(f"{run}: {done.stderr[-2000:]}")
-            results[f"{mode} {buffers}"].append(step_s(json.loads((run / "summary.json").read_text())))
+            summary = json.loads((run / "summary.json").read_text())
+            results[f"{mode} {buffers}"].append(median_step_s(summary, 3))
             print(f"round {round_}: {mode} {buffers}: {results[f'{mode} {buffers}'][-1] * 1000:.1f} "
                   "ms/step", flush=True)
     median = {label: statistics.median(times) for label, times in results.items()}

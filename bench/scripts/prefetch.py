@@ -17,15 +17,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from recover.bench.overhead import steady_intervals
+from recover.bench.overhead import median_step_s
 
 JOB = Path(__file__).with_name("prefetch_job.py")
-
-
-def step_s(summary: dict) -> float:
-    """Median seconds between commits, the first two steps (start-up) left out."""
-    ends = [x for x in summary["committed_at_s_per_step"] if x is not None]
-    return statistics.median(steady_intervals(ends, 2))
 
 
 def main() -> None:
@@ -51,7 +45,7 @@ def main() -> None:
                  "--loader-workers", str(workers)], capture_output=True, text=True, timeout=600)
             if done.returncode != 0:
                 raise SystemExit(f"{run}: {done.stderr[-2000:]}")
-            results[label].append(step_s(json.loads((run / "summary.json").read_text())))
+            results[label].append(median_step_s(json.loads((run / "summary.json").read_text()), 2))
             print(f"round {round_}: {label}: {results[label][-1] * 1000:.0f} ms/step", flush=True)
     summary = {label: statistics.median(times) for label, times in results.items()}
     ideal = 2 * 16 * args.decode_ms / 1000  # one replica's two microbatches' decoding

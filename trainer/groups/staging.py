@@ -10,8 +10,10 @@ per step would cost more than the copy).
 The copies are pipelined with the reduction: a large buffer goes in pieces of `PIECE_BYTES`,
 each piece's reduction started as soon as its bytes are on the host, and each reduced piece
 copied back while the later ones are still reduced. Measured on an H200 host (BENCHMARKS.md
-section 13, `bench/scripts/staging_pipeline.py`): 200 MB staged whole took 114 ms against
-92 ms for the same allreduce of host memory; in 16 pieces, 95 ms.
+section 13): in plain torch (`bench/scripts/allreduce_shapes_gpu.py`) 200 MB staged whole
+took 114 ms against 92 ms for the same allreduce of host memory, and 95 ms in 16 pipelined
+pieces; through this group (`bench/scripts/staging_pipeline.py`) 105 ms whole, 100 ms in
+pieces.
 
 Run on GPUs (scripts/gpu_check.sh); without a GPU the same code runs with `force=True`,
 which stages a CPU buffer exactly as it would a device one.
