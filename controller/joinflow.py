@@ -109,6 +109,14 @@ def attempt_failed(d: Draft, replica: int, msg: pb.JoinFailed) -> None:
         retry_at=d.now + RETRY_DELAY_S))
 
 
+def rejoin(d: Draft, replica: int, msg: pb.JoinFailed) -> None:
+    """A member taken out of the step it was admitted to (its donor died a step short,
+    losses.py) joins again: its last attempt failed, with what it holds still good."""
+    d.put_join(Join(replica, phase=JoinPhase.TRANSFERRING, donor=msg.donor,
+                    attempts=msg.attempt, step=msg.step))
+    attempt_failed(d, replica, msg)
+
+
 def retry_waiting(d: Draft) -> None:
     """Joins that found no donor, or whose transfer failed a moment ago: try again."""
     for join in list(d.v.joins.values()):

@@ -19,7 +19,7 @@ from recover.controller.transitions import (
     new_generation,
     record_failure,
 )
-from recover.controller.view import Draft
+from recover.controller.view import Draft, ReplicaState
 from recover.proto import pb
 
 
@@ -31,14 +31,15 @@ def lose(d: Draft, lost: list[int], why: str) -> None:
                                          f"{', '.join(map(str, lost))} lost")
 
 
-def _recover_without(d: Draft, lost: list[int], why: str) -> None:
-    for replica in lost:
+def _recover_without(d: Draft, lost: list[int], why: str, *, demoted: bool = False) -> None:
+    """`demoted`: the replicas are alive, only out of the step (`_demote`)."""
+    for replica in [] if demoted else lost:
         lose_replica(d, replica)
     v = d.v
     lost = [r for r in lost if r in v.members]  # a joiner's loss changes no generation
     if v.state is not JobState.RUNNING or not lost or v.takeover is not None:
         return  # during a takeover, its end plans around every replica lost meanwhile
-    survivors = v.live(v.members)
+    survivors = [r for r in v.live(v.members) if r not in lost]
     if v.last_step_committed and survivors:
         # The final step is committed; only its acknowledgements are pending.
         d.set(members=tuple(survivors))
@@ -118,8 +119,26 @@ def join_failed(d: Draft, replica: int, msg: pb.JoinFailed) -> None:
             # recovery mid-step, whose donor was the replica lost): nothing is missing.
             d.do(effects.Stale())
             return
-        # Admitted, but its stream broke before it had every step it needed: it cannot
-        # enter; recover as from a crash (its agent restarts it).
-        members_lost(d, [replica], f"replica {replica} lost its donor while entering")
+        _demote(d, replica, msg)
         return
     joinflow.attempt_failed(d, replica, msg)
+
+
+def _demote(d: Draft, replica: int, msg: pb.JoinFailed) -> None:
+    """Admitted at this step, but its donor died before streaming the step before it: it
+    cannot compute, yet its process and the steps it holds are good. It leaves the step as a
+    lost member would (its microbatches go to the others, one new generation) and joins
+    again from another member, instead of being stopped and restarted (a new process, a
+    whole new transfer)."""
+    v = d.v
+    why = (f"replica {replica} was admitted at step {v.step} but its donor stopped streaming "
+           f"with the state before step {msg.step}")
+    if v.state is not JobState.RUNNING or v.takeover is not None or v.last_step_committed:
+        members_lost(d, [replica], f"{why}: stopped")  # no step left for it to join
+        return
+    d.emit("join-demoted", f"{why}: it leaves the step and joins again", step=v.step,
+           generation=v.generation, replica=replica, level=logging.WARNING)
+    d.change_replica(replica, state=ReplicaState.JOINING)
+    _recover_without(d, [replica], why, demoted=True)
+    if d.v.state is JobState.RUNNING and d.v.replicas[replica].alive:
+        joinflow.rejoin(d, replica, msg)

@@ -49,6 +49,8 @@ class ReplicaState(StrEnum):
     SPARE    -> JOINING     a spare's stream of steps broke: another donor is tried
     JOINING | SPARE -> MEMBER   it enters a generation (after a commit, or in place of
                             lost members inside the step)
+    MEMBER   -> JOINING     admitted, but its donor died a step short: out of the step, it
+                            joins again from another member (losses.py)
     JOINING  -> READY       its join was abandoned: it is stopped, its exit is recorded
     live     -> LOST        its process, its agent or its reports failed (a failure record)
     live     -> RETIRED     it left without a failure: drained, refused, spares reduced

@@ -9,6 +9,10 @@ the failure-free run's numbers through kills. ``--buffers local`` shows the alte
 (each replica's own buffers, outside the guarantee). ``--eval-out FILE`` appends one JSON
 line per step (accuracy, eval loss, a digest of the buffers) from the first replica;
 ``--save FILE`` writes the final model's state_dict there, from the first replica.
+
+With several ranks per replica (``recover run --ranks-per-replica 2 ...``) the model is
+sharded with FSDP2 over the replica's ranks; each rank's BatchNorm sees its slice of every
+microbatch and ReCoVer commits the mean of the ranks' updates, the same on every rank.
 """
 
 import argparse
@@ -18,6 +22,7 @@ import os
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 
 import recover.trainer as rt
 
@@ -57,6 +62,11 @@ model = nn.Sequential(
     nn.Conv2d(1, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
     nn.Conv2d(width, 2 * width, 3, stride=2, padding=1), nn.BatchNorm2d(2 * width), nn.ReLU(),
     nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * width, CLASSES)).to(job.device)
+if job.replica_size > 1:  # HSDP: shard inside the replica, ReCoVer replicates across
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=job.replica_mesh)
+    fully_shard(model, mesh=job.replica_mesh)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
@@ -69,7 +79,7 @@ def evaluate(info: rt.StepInfo) -> None:
     """On the first replica only: eval mode uses (and leaves) the running statistics."""
     if not info.is_first_replica:
         return
-    model.eval()
+    model.eval()  # sharded: every rank of the replica runs it (FSDP gathers the parameters)
     with torch.no_grad():
         logits = model(eval_x)
     model.train()
@@ -79,7 +89,9 @@ def evaluate(info: rt.StepInfo) -> None:
     line = {"step": info.step, "accuracy": float((logits.argmax(1) == eval_y).float().mean()),
             "eval_loss": float(nn.functional.cross_entropy(logits, eval_y)),
             "buffers_sha256": buffers.hexdigest()}
-    if info.step == job.steps - 1:
+    if job.replica_size > 1:  # a line from every rank: their buffers must be the same
+        line["rank"] = job.replica_rank
+    if info.step == job.steps - 1 and job.replica_rank == 0:
         print(f"step {info.step}: eval accuracy {line['accuracy']:.3f}", flush=True)
     if args.eval_out:
         with open(args.eval_out, "a") as out:
@@ -90,5 +102,9 @@ result = rt.train(job, model, optimizer,
                   microbatches=rt.DatasetMicrobatches(train_set, microbatch_size=16),
                   loss_fn=loss_fn, on_step_committed=evaluate, buffers=args.buffers)
 if args.save and result.success and result.is_first_replica:  # exactly one replica saves
-    torch.save(model.state_dict(), args.save)
+    # Sharded: every rank of the replica gathers (a collective), rank 0 writes.
+    state = {name: value.full_tensor() if hasattr(value, "full_tensor") else value
+             for name, value in model.state_dict().items()}
+    if job.replica_rank == 0:
+        torch.save(state, args.save)
 raise SystemExit(0 if result.success else 1)

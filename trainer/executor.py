@@ -125,6 +125,13 @@ class StepExecutor(JoinSteps):
             if donation.joiner in view.members:  # it enters at this view's step
                 donation.finish_before(view.plan.step)
         if self.generation == 0 and view.plan.step > self.state.step:
+            if not self.catching_up and self.join_failure_reported and self.lockstep is None:
+                # Admitted before the controller read this joiner's failure report: the
+                # report takes it out of this generation (losses.py, `_demote`).
+                log.info("generation %d admits this replica at step %d, but it holds the "
+                         "state before step %d: waiting for another join", view.generation,
+                         view.plan.step, self.state.step, extra=self._ctx())
+                return
             if not self.catching_up:
                 raise RuntimeError(f"generation {view.generation} admits this replica at step "
                                    f"{view.plan.step}, but it holds the state before step "
@@ -291,6 +298,12 @@ class StepExecutor(JoinSteps):
             if reduced is not None:
                 reduced = replace(reduced, loss=agreed.loss, overflow=agreed.overflow)
             tokens = agreed.tokens
+            if reduced is not None and failure is None and self.lockstep.buffers_averaged:
+                # After the gradients come the buffers' mean updates, each rank's of its
+                # slices: the replica's are their mean (what joiners are streamed, too).
+                count = len(self.grads.buckets)
+                reduced = replace(reduced, grads=[
+                    *reduced.grads[:count], *self.lockstep.average(reduced.grads[count:])])
         if failure is not None or reduced is None:
             log.warning("reduction of step %d aborted: %s", s.step, failure, extra=self._ctx())
             self._install_group(None)
@@ -314,6 +327,9 @@ class StepExecutor(JoinSteps):
         if verdict.action is CommitAction.REFUSE or s.reduced is None:
             raise RuntimeError(f"commit refused: {verdict.reason}")
         commit_wait = time.perf_counter() - self._reported_at
+        if not commit.HasField("next_plan") and not commit.final \
+                and any(not d.done.is_set() for d in self.donations):
+            self.hooks.before_feeding(s.step)
         self._apply(s.reduced.grads, pb.CatchUpStep(
             step=s.step, loss=s.reduced.loss, generation=self.generation,
             microbatches=commit.microbatches or self.job.global_microbatches, tokens=commit.tokens,

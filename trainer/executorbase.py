@@ -80,6 +80,9 @@ class ExecutorBase(ABC):
         self._pending_join: pb.Join | None = None
         self.catching_up = False
         """Applying a donor's stream: a generation ahead of this replica is held, not fatal."""
+        self.join_failure_reported = False
+        """A join attempt failed and the controller was told: an admission that comes
+        before the controller read it is waited out, not an error."""
         self.state_loaded = False
         """The state came from a donor or a checkpoint (else: the model as the user built it)."""
         self.resume: pb.ResumePoint | None = None

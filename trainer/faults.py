@@ -46,11 +46,12 @@ PHASES: dict[str, str] = {
     "startup": "while starting: after attaching to its agent, before reporting ready",
     "join": "while joining: right after loading a donor's snapshot, before catching up",
     "donate": "while donating: right after sending the snapshot to a joiner (mid-stream)",
+    "feed": "while donating: at the commit that admits its joiner, before streaming that step",
 }
 HANG_PHASES = ("stop", "spin", "deadlock")
 ANY_REPLICA_PHASES = ("join", "donate", "startup")
 """Phases that may target a replica started later (a restart's new id: replicas, replicas+1...)."""
-AT_OR_AFTER_PHASES = ("join", "donate", "steal", "release")
+AT_OR_AFTER_PHASES = ("join", "donate", "feed", "steal", "release")
 """Phases whose step means "the first time at or after it" (joins happen when they happen)."""
 
 
@@ -294,6 +295,9 @@ class FaultHooks(StepHooks):
 
     def after_snapshot_sent(self, step: int) -> None:
         self._fire_if_armed(step, "donate")
+
+    def before_feeding(self, step: int) -> None:
+        self._fire_if_armed(step, "feed")
 
     def after_snapshot_loaded(self, step: int) -> None:
         self._fire_if_armed(step, "join")

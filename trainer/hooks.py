@@ -74,5 +74,9 @@ class StepHooks:
     def after_snapshot_sent(self, step: int) -> None:
         """A donor has sent its snapshot of `step` to a joiner (on the donation's thread)."""
 
+    def before_feeding(self, step: int) -> None:
+        """A donor got the commit of `step` that admits its joiner (the next generation
+        follows it), before applying it and so before streaming it to the joiner."""
+
     def after_snapshot_loaded(self, step: int) -> None:
         """A joiner has loaded its donor's snapshot of `step`, before catching up."""

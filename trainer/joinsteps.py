@@ -73,6 +73,7 @@ class JoinSteps(ExecutorBase):
         if self.generation > 0 or self.listener is None:
             return  # a member already (a stale command)
         self._pending_join = None
+        self.join_failure_reported = False
         try:
             # A state as built is worthless: the snapshot may be received straight into it.
             if not self.state_loaded and self.built_tensors is None:
@@ -143,12 +144,20 @@ class JoinSteps(ExecutorBase):
             self._admission = None
             self._enter_generation(view)
             return
-        if view is not None:  # admitted, but it can no longer catch up: be recovered
-            raise RuntimeError(f"admitted at step {view.plan.step} while at step "
-                               f"{self.state.step}, with no donor left: {failure}")
+        if view is not None:
+            self._admission = None
+            if not failure or self.lockstep is not None:
+                # A replica of several ranks cannot tell that all its ranks fell short
+                # alike: it is recovered as from a crash (its agent restarts it).
+                raise RuntimeError(f"admitted at step {view.plan.step} while at step "
+                                   f"{self.state.step}, with no donor left: {failure}")
+            # Its donor died a step short: the failure report makes the controller take it
+            # out of the step and start another attempt (losses.py, `_demote`).
+            failure = f"admitted at step {view.plan.step} one step short: {failure}"
         if failure:
             log.warning("join failed: %s", failure, extra=self._ctx())
         if failure and self._pending_join is None:  # else the controller moved on already
+            self.join_failure_reported = True
             self.channel.send(pb.WorkerReport(join_failed=pb.JoinFailed(
                 donor=command.donor, reason=failure, attempt=command.attempt,
                 step=self.state.step if self.state_loaded else -1)))

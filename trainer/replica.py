@@ -135,6 +135,10 @@ class Lockstep:
         self.losses_add_up = False
         """Pipeline stages: only the last has the loss, the replica's is the sum. Shards
         (FSDP): each holds its slices' mean loss, the replica's is the mean."""
+        self.buffers_averaged = False
+        """Shards (FSDP) of a model with buffers in the guarantee: each rank updated its copy
+        of the buffers from its slice of each microbatch, so the replica's update is the
+        mean over its ranks (`average`). Pipeline stages own their buffers: nothing to do."""
 
     def _run(self, collective: Any, *args: Any) -> None:
         """One collective on the replica's group, called on the group object itself (no
@@ -178,6 +182,17 @@ class Lockstep:
         failed, loss_sum, tokens_sum, overflow_sum = tally.tolist()
         loss = loss_sum if self.losses_add_up else loss_sum / self.ranks.size
         return Agreement(failed == 0, loss, int(tokens_sum), int(overflow_sum))
+
+    def average(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each of `tensors` summed over the replica's ranks, then divided by their number:
+        every rank ends with the same bits, and every replica too (the same collective over
+        the same inputs), so the result depends on the step's microbatches only."""
+        averaged = []
+        for tensor in tensors:
+            total = tensor.clone()
+            self._run(self.ranks.group.allreduce, [total], dist.AllreduceOptions())
+            averaged.append(total.div_(self.ranks.size))
+        return averaged
 
     def gather_text(self, text: str, size: int = 200) -> list[str]:
         """Every rank's `text` (at most `size` bytes of UTF-8), in rank order."""

@@ -38,15 +38,15 @@ def prepare(workload: Workload, lockstep: Lockstep, exact: bool) -> None:
     ranks = lockstep.ranks
     trainable = [(name, p) for name, p in workload.model.named_parameters() if p.requires_grad]
     plain = [name for name, p in trainable if not isinstance(p, DTensor)]
-    if workload.model_buffers is not None:
-        raise contract_error("the model has buffers (BatchNorm statistics, ...) and buffers="
-                             "'reduce' does not work with several ranks per replica yet: pass "
-                             "buffers='local' to train() (each rank keeps its own)",
-                             where="train")
     if len(plain) == len(trainable) and workload.forward_backward is not None:
         # A pipeline stage: its parameters are its own, reduced across replicas with the
         # same stage of the others; the schedule moves the whole microbatch through the
         # stages, and only the last one has a loss to report (the others return 0).
+        if workload.model_buffers is not None:
+            raise contract_error("this pipeline stage has buffers (BatchNorm statistics, ...) "
+                                 "and buffers='reduce' is not supported for pipeline stages "
+                                 "yet: pass buffers='local' to train() (each stage keeps its "
+                                 "own, outside the guarantee)", where="train")
         lockstep.losses_add_up = True
     elif plain:
         raise contract_error(f"the job has {ranks.size} ranks per replica but the model's "
@@ -56,6 +56,8 @@ def prepare(workload: Workload, lockstep: Lockstep, exact: bool) -> None:
                              where="train")
     else:
         _prepare_fsdp(workload, lockstep, trainable, exact)
+        # Buffers are not sharded: each rank's copy saw its slices of the microbatches.
+        lockstep.buffers_averaged = workload.model_buffers is not None
     workload.combine_digest = lockstep.combine_digest
 
 

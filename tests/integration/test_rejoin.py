@@ -114,8 +114,8 @@ def test_churn_brings_capacity_back_bitwise_without_leaks(tmp_path: Path,
         # Every lost worker's slot gets a fresh replica that joins (4, 5, 6, 7 for 1, 0, 3, 5
         # as a rule). Which ids depends on a race: should the dying donor (0) have reduced
         # the step in flight before its death is seen, that step commits, its joiner (4)
-        # enters without that step's gradient, is lost as well and replaced. So the test
-        # waits for full strength after every fault, whoever the replacements are.
+        # is admitted without that step's gradient and joins again (see the step-short test). So the
+        # test waits for full strength after every fault, whoever the replacements are.
         def full_strength_after_every_fault() -> bool:
             status = job.status()
             return (status is not None and status.steps_committed >= steps
@@ -173,6 +173,26 @@ def test_a_hot_spare_takes_a_lost_replicas_place_within_a_step(
         # entered at the next boundary instead.
         assert strength[5] == 3 and generations[6] == 3, (strength[:10], generations[:10])
     assert strength[6] == 4 and len(summary["live_replicas"]) == 4
+
+
+def test_a_joiner_admitted_a_step_short_joins_again_instead_of_restarting(
+        tmp_path: Path, reference: dict[str, Any]) -> None:
+    """Replica 2's restart (4) is admitted at the commit of the step its donor (0) then dies
+    before streaming: it cannot compute that step. It leaves the step (its microbatches go
+    to the others) and joins again from another member, its process kept. A multi-process
+    test because the path crosses all three layers: the worker must wait out the admission
+    it cannot meet instead of raising, which only a real stream's break shows."""
+    result = run_recover(tmp_path, *ARGS, "--kill", "step=3,replica=2,phase=forward",
+                         "--kill", "step=0,replica=0,phase=feed", timeout=180)
+    assert result.returncode == 0, result.stderr
+    summary = result.summary
+    assert_bitwise_identical(summary, reference)
+    controller_log = (tmp_path / "logs" / "controller.log").read_text()
+    assert "join-demoted: replica 4 was admitted" in controller_log, controller_log[-3000:]
+    failures = {(f["replica"], f["phase"]) for f in summary["failures"]}
+    assert failures == {(2, "forward"), (0, "feed")}, failures  # replica 4 was never stopped
+    assert sorted(summary["live_replicas"]) == [1, 3, 4, 5]
+    assert [j["replica"] for j in summary["joins"]].count(4) == 2  # admitted, then again
 
 
 def test_a_replacement_host_started_by_hand_joins(tmp_path: Path,

@@ -149,6 +149,45 @@ def test_a_lost_sharded_replica_rejoins_rank_by_rank_or_a_spare_takes_its_place(
     assert "spare-promoted: replica 2 caught up" in log, log[-2000:]
 
 
+def test_hsdp_batchnorm_buffers_stay_bitwise_through_a_rank_lost_and_a_rejoin(
+        tmp_path: Path) -> None:
+    """examples/batchnorm.py sharded 2x2: each rank's BatchNorm sees its slice of every
+    microbatch and the replica commits the mean of its ranks' updates. The only job where
+    buffers are averaged over a replica's ranks (a collective of their own after each
+    reduction, whose result the joiner is streamed): a rank killed, its replica restarted
+    and caught up, and the buffers, the first replica's eval and its saved model stay the
+    failure-free run's, bitwise."""
+    layout = ["--replicas", "2", "--ranks-per-replica", "2", "--steps", "8", "-M", "8",
+              "--seed", "5", "--reduce", "exact", "--quiet"]
+    script = str(REPO / "examples" / "batchnorm.py")
+
+    def run(name: str, *extra: str):
+        result = run_recover(tmp_path / name, *layout, *extra, "--", "python", script,
+                             "--eval-out", str(tmp_path / f"{name}.jsonl"),
+                             "--save", str(tmp_path / f"{name}.pt"), timeout=240)
+        assert result.returncode == 0, result.stderr
+        return result
+
+    reference = run("reference")
+    killed = run("killed", "--compute-ms", "50",
+                 "--kill", "step=3,replica=1,phase=backward,rank=1")
+    assert_bitwise_identical(killed.summary, reference.summary)  # buffers in the digests
+    assert [f["phase"] for f in killed.summary["failures"]] == ["backward"]
+    assert sorted(killed.summary["live_replicas"]) == [0, 2]  # replica 1's restart joined
+    evals = {name: [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text()
+                    .splitlines()] for name in ("reference", "killed")}
+    by_step = lambda lines: sorted(lines, key=lambda e: (e["step"], e["rank"]))  # noqa: E731
+    assert by_step(evals["killed"]) == by_step(evals["reference"])
+    assert len(evals["reference"]) == 2 * 8
+    for step in range(8):  # both ranks hold the replica's buffers, not their slices' own
+        assert len({e["buffers_sha256"] for e in evals["reference"] if e["step"] == step}) == 1
+    want, got = (torch.load(tmp_path / f"{n}.pt", weights_only=True)
+                 for n in ("reference", "killed"))
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert want["1.num_batches_tracked"] == 8  # one update per step, as with one rank
+    assert not torch.equal(want["1.running_mean"], torch.zeros_like(want["1.running_mean"]))
+
+
 def test_pipeline_exact_is_bitwise_through_a_stage_lost_and_matches_one_process(
         tmp_path: Path) -> None:
     """Two pipeline stages per replica (GPipe over the replica's group): a stage killed as

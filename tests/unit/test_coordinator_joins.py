@@ -158,17 +158,72 @@ async def test_a_spare_whose_donor_died_first_still_replaces_the_lost_members():
     assert h.coord.state is JobState.RUNNING and h.coord.members == [1]
 
 
-@scenario
-async def test_an_admitted_joiner_whose_stream_broke_is_recovered_like_a_crash():
+async def admitted_one_step_short() -> tuple[Harness, int, pb.Join]:
+    """Replica 2's restart is admitted at step 1 holding step 0's state, step 0's gradient
+    still to come from its donor."""
     h, replica = await restarted_and_ready()
     join = h.messages("join")[-1][1]
     h.coord.joins.progress(replica, pb.JoinProgress(step=0, donor=join.donor,
                                                     attempt=join.attempt))
     await commit(h)
-    assert replica in h.coord.members
+    assert replica in h.coord.members and h.coord.step == 1
+    return h, replica, join
+
+
+@scenario
+async def test_an_admitted_joiner_whose_donor_died_a_step_short_leaves_the_step_and_joins_again():
+    """Its process and its state are good: it is not stopped and restarted (a new process,
+    a whole new transfer) but taken out of the step and fed by another member."""
+    h, replica, join = await admitted_one_step_short()
+    plan = plan_dict(h.messages("generation")[-1][1].plan)
+    await h.coord.worker_exited(pb.WorkerExited(replica=join.donor, signal=9))
+    assert replica in h.coord.members  # the controller cannot know yet what it lacks
     await h.coord.joins.failed(replica, pb.JoinFailed(donor=join.donor, reason="peer closed",
                                                       attempt=join.attempt, step=0))
-    assert replica not in h.coord.members
+    view = h.messages("generation")[-1][1]
+    (survivor,) = {0, 1} - {join.donor}
+    assert h.coord.members == [survivor] and list(view.members) == [survivor]
+    assert sorted(plan_dict(view.plan)[survivor]) == sorted(m for ms in plan.values() for m in ms)
+    assert not h.messages("stop_replica") and h.coord.replicas[replica].state == "joining"
+    assert "joins again" in h.events("join-demoted")[0].message
+    assert len(h.messages("join")) == 1  # after the retry pause, as any failed attempt
+    h.clock.now += 1.0
+    h.coord.joins.retry_waiting()
+    (_, donate), (_, again) = h.messages("donate")[-1], h.messages("join")[-1]
+    assert again.attempt == join.attempt + 1 and again.donor == donate.donor == survivor
+    assert donate.joiner == replica
+    # The new attempt streams from the survivor's state before step 1: it enters at step 2.
+    h.coord.joins.progress(replica, pb.JoinProgress(step=1, donor=survivor,
+                                                    attempt=again.attempt))
+    await commit(h)
+    assert h.coord.members == [survivor, replica] and h.coord.step == 2
+
+
+@scenario
+async def test_an_admitted_joiner_whose_report_comes_first_leaves_the_step_at_once():
+    """Its stream broke before the controller learned that its donor died: it leaves the
+    step with the donor still a member; the donor's loss then is an ordinary recovery."""
+    h, replica, join = await admitted_one_step_short()
+    generation = h.coord.generation
+    await h.coord.joins.failed(replica, pb.JoinFailed(donor=join.donor, reason="peer closed",
+                                                      attempt=join.attempt, step=0))
+    assert h.coord.generation == generation + 1 and h.coord.members == [0, 1]
+    await h.coord.joins.failed(replica, pb.JoinFailed(donor=join.donor, reason="again",
+                                                      attempt=join.attempt, step=0))
+    assert h.coord.generation == generation + 1  # the same report twice: stale, no change
+    await h.coord.worker_exited(pb.WorkerExited(replica=join.donor, signal=9))
+    assert h.coord.members == [({0, 1} - {join.donor}).pop()]
+    h.clock.now += 1.0
+    h.coord.joins.retry_waiting()
+    assert h.messages("join")[-1][1].donor != join.donor and not h.messages("stop_replica")
+
+
+@scenario
+async def test_an_admitted_joiner_short_on_its_last_attempt_is_stopped():
+    h, replica, join = await admitted_one_step_short()
+    await h.coord.joins.failed(replica, pb.JoinFailed(donor=join.donor, reason="peer closed",
+                                                      attempt=MAX_ATTEMPTS, step=0))
+    assert replica not in h.coord.members and h.events("join-abandoned")
     assert h.messages("stop_replica")[-1][1].replica == replica
 
 

@@ -79,6 +79,8 @@ class Recorder:
         hooks.after_snapshot_sent(step)
         self.at("after_snapshot_loaded")
         hooks.after_snapshot_loaded(step)
+        self.at("before_feeding")
+        hooks.before_feeding(step)
 
 
 @pytest.mark.parametrize("phase, point", [
@@ -88,6 +90,7 @@ class Recorder:
     ("commit", "after_reported"),
     ("donate", "after_snapshot_sent"),
     ("join", "after_snapshot_loaded"),
+    ("feed", "before_feeding"),
 ])
 def test_each_kill_phase_strikes_at_its_hook_point_only(phase: str, point: str) -> None:
     recorder = Recorder(phase)
@@ -95,7 +98,7 @@ def test_each_kill_phase_strikes_at_its_hook_point_only(phase: str, point: str) 
     assert recorder.killed_at == []
     recorder.step(STEP)
     assert recorder.killed_at == [point] and recorder.noted_at == [(point, phase)]
-    if phase in ("donate", "join"):  # joins happen when they happen: at or after the step
+    if phase in ("donate", "join", "feed"):  # joins happen when they happen: at or after the step
         recorder.step(STEP + 1)
         assert recorder.killed_at == [point] * 2
 

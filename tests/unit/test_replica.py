@@ -115,6 +115,19 @@ def test_the_replica_digest_covers_every_rank_in_order() -> None:
     assert results == [want.hexdigest()] * 2
 
 
+def test_buffer_updates_are_averaged_over_the_ranks_to_the_same_bits_on_each() -> None:
+    """Each rank's BatchNorm statistics are of its slices: the replica's update is their
+    mean, identical on every rank (float32 statistics, float64 counters that stay whole)."""
+    updates = [[torch.tensor([0.1, -2.0, 3.3]), torch.tensor([2.0])],
+               [torch.tensor([0.7, 1.0, -0.3]), torch.tensor([2.0])]]
+    results = on_two_ranks(lambda lockstep: lockstep.average(updates[lockstep.ranks.rank]))
+    stats, counters = results[0]
+    assert torch.equal(stats, (updates[0][0] + updates[1][0]) / 2)
+    assert torch.equal(counters, torch.tensor([2.0]))
+    assert all(torch.equal(a, b) for a, b in zip(results[0], results[1], strict=True))
+    assert torch.equal(updates[0][0], torch.tensor([0.1, -2.0, 3.3]))  # inputs left as they are
+
+
 def test_a_broken_rank_group_is_a_replica_broken() -> None:
     def body(lockstep: Lockstep) -> None:
         if not lockstep.ranks.leads:
