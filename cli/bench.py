@@ -96,8 +96,10 @@ def run_ckpt_restart(args: argparse.Namespace) -> int:
     from recover.bench.ckpt_restart import CkptRestartConfig, run
 
     job = reference_job(args, "recover run --mode ckpt-restart")
-    if job.reduce != "fast" or job.policy not in ("", "recover"):
-        raise UsageError("--mode ckpt-restart supports --reduce fast and no --policy")
+    if job.reduce != "fast" or job.policy == "drop":
+        # Restarts plan every replica alike (no failure is ever recovered inside a step):
+        # the default policy is fine, dropping microbatches is not what a restart does.
+        raise UsageError("--mode ckpt-restart supports --reduce fast and not --policy drop")
     faults = job.testing.faults
     crashes = [f for f in faults if f.phase in ("forward", "backward", "reduce", "commit")]
     if len(crashes) != len(faults):
@@ -128,8 +130,12 @@ def _throughput(args: argparse.Namespace) -> int:
         raise UsageError("recover bench throughput: the ckpt-restart baseline does not emulate "
                          "--slowdown")
     job = reference_job(args, "recover bench throughput")
-    if job.reduce != "fast" or job.policy not in ("", "recover"):
-        raise UsageError("recover bench throughput: the baseline supports --reduce fast only")
+    if job.reduce != "fast" or job.policy == "drop":
+        raise UsageError("recover bench throughput: the baseline supports --reduce fast and "
+                         "not --policy drop")
+    # The baseline plans every replica alike; so does ReCoVer's run of the same job (uniform
+    # quotas, the count policy), or the two would not sum the same floats in the same order.
+    job.policy = "recover"
     schedule = _schedule(args.schedule, job.replicas)
     config = throughput.ThroughputConfig(
         job=job, schedule=schedule, schedule_path=args.schedule,

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from recover.common.progress import FIRST_MICROBATCH_GRACE_S
-from recover.controller.policy import POLICIES, RecoverPolicy
+from recover.controller.policy import POLICIES, ProportionalPolicy
 from recover.proto import pb
 from recover.trainer.faults import (
     ANY_REPLICA_PHASES,
@@ -291,12 +291,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("--record-sample-ids", "record_sample_ids", action="store_true", default=False,
             help="keep every step's sample ids in the ledger and summary.json, not only their "
                  "digest"),
-    Setting("--policy", "policy", choices=tuple(POLICIES), default=RecoverPolicy.name,
+    Setting("--policy", "policy", choices=tuple(POLICIES), default=ProportionalPolicy.name,
             absent_is_default=True,
-            help="who computes which microbatches: recover = uniform quotas, a lost "
-                 "replica's microbatches recomputed by the survivors (default); proportional "
-                 "= quotas by measured speed; drop = the step goes on without a lost "
-                 "replica's microbatches (ablation)"),
+            help="who computes which microbatches: proportional = quotas by measured speed, "
+                 "uniform while replicas are about as fast, and a lost replica's microbatches "
+                 "recomputed by the survivors that finish them earliest (default); recover = "
+                 "uniform quotas, lost microbatches to the least-loaded survivors; drop = the "
+                 "step goes on without a lost replica's microbatches (ablation)"),
     Setting("--work-stealing", "work_stealing", action="store_true", default=False,
             help="inside a step, a replica that has finished its microbatches takes some that "
                  "a slower one has not started (with any --policy; see the README)"),

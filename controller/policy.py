@@ -352,13 +352,14 @@ class ProportionalPolicy(PlanPolicy):
 
 POLICIES: dict[str, type[PlanPolicy]] = {
     p.name: p for p in (RecoverPolicy, DropPolicy, ProportionalPolicy)}
-"""Every policy a job may name; the default (a job's empty `policy`) stays RecoverPolicy."""
+"""Every policy a job may name; the default (a job's empty `policy`) is ProportionalPolicy,
+which plans exactly as RecoverPolicy until replicas measurably differ in speed."""
 
 
 def policy_for(name: str) -> PlanPolicy:
-    """The policy a job names (`""`: the default, recover)."""
+    """The policy a job names (`""`: the default, proportional)."""
     try:
-        return POLICIES[name or RecoverPolicy.name]()
+        return POLICIES[name or ProportionalPolicy.name]()
     except KeyError:
         raise PolicyError(f"unknown policy {name!r}: use one of {', '.join(POLICIES)}") from None
 

@@ -77,7 +77,7 @@ def build_summary(report: pb.RunReport, wall_s: float) -> dict[str, Any]:
         "replicas": report.job.replicas,
         "live_replicas": list(report.status.live_replicas),
         "reduce": report.job.reduce,
-        "policy": report.job.policy or "recover",
+        "policy": report.job.policy or "proportional",
         "exact_redos": report.status.redos,
         "seed": report.job.seed,
         "steps_requested": report.job.steps,

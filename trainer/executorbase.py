@@ -119,6 +119,9 @@ class ExecutorBase(ABC):
         with self._group_lock:
             self._newest_seen = max(self._newest_seen, generation)
             if self.group is not None and self.group.spec.generation < generation:
+                # Logged: the moment a stalled recovery's survivor was told to move on.
+                log.info("generation %d seen: aborting the group of generation %d",
+                         generation, self.group.spec.generation, extra=self._ctx())
                 self.group.abort()
 
     def _install_group(self, group: CrossReplicaGroup | None) -> None:

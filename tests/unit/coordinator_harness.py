@@ -19,10 +19,13 @@ STEPS_PREFIX = f"/recover/{JOB_ID}/steps/"
 RENDEZVOUS = "127.0.0.1:29999"
 
 
-def make_job(replicas: int = 2, steps: int = 2, m: int = 4) -> pb.JobConfig:
+def make_job(replicas: int = 2, steps: int = 2, m: int = 4,
+             policy: str = "recover") -> pb.JobConfig:
+    """`policy`: the count policy by default, whose plans these tests spell out (the
+    harness's reports carry made-up compute times a proportional plan would follow)."""
     return pb.JobConfig(
         job_id=JOB_ID, replicas=replicas, steps=steps, global_microbatches=m, seed=0,
-        reduce="fast", workload=pb.WorkloadSpec(command=["python", "train.py"]))
+        reduce="fast", policy=policy, workload=pb.WorkloadSpec(command=["python", "train.py"]))
 
 
 def run_now(coro: Coroutine[Any, Any, Any]) -> Any:

@@ -367,14 +367,14 @@ def test_reduce_exact_and_policy_drop_round_trip():
     assert again.SerializeToString(deterministic=True) == job.SerializeToString(deterministic=True)
     defaults = parse_job(["--job-id", "j"])
     assert (defaults.reduce, defaults.policy, defaults.hang_timeout_s,
-            defaults.hang_factor) == ("fast", "recover", 2.0, 10.0)
+            defaults.hang_factor) == ("fast", "proportional", 2.0, 10.0)
     assert parse_job(job_to_args(defaults)) == defaults
 
 
-def test_job_to_args_with_unset_policy_means_recover():
+def test_job_to_args_with_unset_policy_means_proportional():
     job = parse_job(["--job-id", "j"])
     job.policy = ""
-    assert parse_job(job_to_args(job)).policy == "recover"
+    assert parse_job(job_to_args(job)).policy == "proportional"
 
 
 @pytest.mark.parametrize(("argv", "phrase"), [

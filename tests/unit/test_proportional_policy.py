@@ -32,9 +32,9 @@ from recover.controller.throughput import Speeds
 
 # ---------------------------------------------------------------- ProportionalPolicy
 
-def test_registered_without_changing_the_default():
+def test_proportional_is_the_default():
     assert POLICIES["proportional"] is ProportionalPolicy
-    assert type(policy_for("")) is RecoverPolicy
+    assert type(policy_for("")) is ProportionalPolicy
     assert type(policy_for("recover")) is RecoverPolicy
     assert isinstance(policy_for("proportional"), ProportionalPolicy)
 

@@ -32,13 +32,13 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from recover.common.netaddr import local_address_towards
-from recover.trainer.groups import CollectiveAborted, GroupSpec
+from recover.trainer.groups import CollectiveAborted, GroupSpec, graveyard
 from recover.trainer.groups.staging import HostStaging, staged_reduce
 
 __all__ = ["GenerationGroup", "RendezvousServer", "exclude_sockets", "gloo_devices",
@@ -118,6 +118,29 @@ def _shutdown_socket(fd: int, inode: int) -> None:
 
 _BUILDERS: set[threading.Thread] = set()  # connect() helper threads still running
 
+WAIT_SLICE = datetime.timedelta(milliseconds=10)
+"""How often a wait for a collective looks whether its group was aborted. gloo fails an
+operation whose peers hang up, which abort() makes happen, yet a test run here once
+had a survivor sit 30 s (the group timeout) in a dead generation's allreduce, gloo saying
+"timed out waiting for send operation to complete", while every other survivor had
+moved on within milliseconds. Not reproduced on demand; whatever gloo waits on then, an
+aborted group's waits now return within this slice."""
+
+
+def wait_or_abort(work: Any, aborted: Callable[[], bool]) -> bool:
+    """Wait for a c10d Work; True once it succeeded (its failure is raised), False as soon as
+    `aborted()` while it still runs (the caller gives it up: graveyard.py)."""
+    while True:
+        try:
+            work.wait(WAIT_SLICE)
+            return True
+        except RuntimeError:
+            if work.is_completed():
+                work.wait()  # its own result: raises the operation's failure
+                return True
+            if aborted():
+                return False
+
 
 @atexit.register
 def _join_builders_at_exit() -> None:
@@ -159,6 +182,7 @@ class GenerationGroup:
 
     def __init__(self, spec: GroupSpec, *, staging: HostStaging | None = None,
                  force_staging: bool = False) -> None:
+        graveyard.purge()  # groups of earlier generations whose given-up operations ended
         self.spec = spec
         self._staging = staging
         self._force_staging = force_staging
@@ -169,6 +193,7 @@ class GenerationGroup:
         self._aborted = False
         self._closed = False
         self._in_flight = 0  # collectives started and not yet waited for
+        self._given_up: list[Any] = []  # works an abort() stopped waiting for, maybe running
         self._before: set[int] | None = None  # socket inodes that existed before connect()
         self._owned: set[int] | None = None  # socket inodes this generation may shut down
         self._error: str | None = None
@@ -274,10 +299,14 @@ class GenerationGroup:
                 return
             waited = True
             error: str | None = None
+            finished = True
             try:
-                work.wait()  # no timeout here: gloo's own timeout fails the op cleanly
+                finished = wait_or_abort(work, lambda: self._aborted)
             except Exception as e:  # noqa: BLE001
                 error = f"generation {self.spec.generation} allreduce failed: {e}"
+            if not finished:
+                with self._lock:
+                    self._given_up.append(work)  # its buffer is a copy, never read again
             del work
             if error is not None:
                 self._failed(error)
@@ -328,7 +357,11 @@ class GenerationGroup:
                 self._sweep()
             self._closed = self._aborted = True
             pg, store, self._pg, self._store = self._pg, self._store, None, None
+            running = [work for work in self._given_up if not work.is_completed()]
+            self._given_up = []
         self._wake.set()
+        if running:  # destroying it now would wait for gloo's timeout to end them
+            graveyard.bury((pg, store), running)
         # Destroyed outside the lock: gloo's destructor joins its worker threads,
         # which return at once because no operation is left in flight.
         del pg, store
