@@ -60,6 +60,10 @@ class RecoveryConfig:
     """results.json and one folder per run."""
     timeout_s: float = 90.0
     """Limit per run; a run that hits it counts its kills as failures of unknown latency."""
+    global_microbatches: int = 16
+    """M (at least the replicas: every replica computes one); the demo's 16 by default."""
+    first_run: int = 0
+    """The first run's number: the kill schedule rotates with it (rounds of a few runs)."""
 
 
 def schedule(run: int, replicas: int) -> list[dict[str, Any]]:
@@ -127,7 +131,8 @@ def split_recoveries(summary: dict[str, Any]) -> list[dict[str, float]]:
 
 
 def _run_one(index: int, config: RecoveryConfig) -> tuple[dict[str, Any] | None, str]:
-    args = ["--replicas", str(config.replicas), "--steps", str(STEPS), "-M", "16", "-B", "8",
+    args = ["--replicas", str(config.replicas), "--steps", str(STEPS),
+            "-M", str(config.global_microbatches), "-B", "8",
             "--seed", str(index)]
     for kill in schedule(index, config.replicas):
         args += ["--kill", spec(kill)]
@@ -147,7 +152,7 @@ def run(config: RecoveryConfig, progress: Callable[[str], None]) -> dict[str, An
     runs: list[dict[str, Any]] = []
     anomalies: list[str] = []
     began = time.monotonic()
-    for index in range(config.runs):
+    for index in range(config.first_run, config.first_run + config.runs):
         started = time.monotonic()
         summary, error = _run_one(index, config)
         kills = schedule(index, config.replicas)
@@ -164,7 +169,8 @@ def run(config: RecoveryConfig, progress: Callable[[str], None]) -> dict[str, An
         recovered = [f["recovered_s"] for f in failures if f["run"] == index and f["recovered_s"]]
         runs.append({"run": index, "kills": [spec(k) for k in kills], "ok": summary is not None,
                      "elapsed_s": round(time.monotonic() - started, 2)})
-        progress(f"[run {index + 1}/{config.runs}] {'ok' if summary else 'FAILED'} "
+        progress(f"[run {index + 1}/{config.first_run + config.runs}] "
+                 f"{'ok' if summary else 'FAILED'} "
                  f"{time.monotonic() - started:.1f}s, recovered in "
                  f"{', '.join(f'{r * 1000:.0f}' for r in recovered) or '-'} ms  "
                  f"load {environment()['loadavg_1m']}  kills: {'; '.join(spec(k) for k in kills)}")
@@ -173,7 +179,8 @@ def run(config: RecoveryConfig, progress: Callable[[str], None]) -> dict[str, An
     return {
         "benchmark": "recovery", "environment": env,
         "loadavg_1m_end": environment()["loadavg_1m"],
-        "config": {"replicas": config.replicas, "steps": STEPS, "global_microbatches": 16,
+        "config": {"replicas": config.replicas, "steps": STEPS,
+                   "global_microbatches": config.global_microbatches,
                    "microbatch_size": 8, "runs": config.runs, "agents": 2,
                    "timeout_s": config.timeout_s},
         "bench_wall_s": round(time.monotonic() - began, 1),

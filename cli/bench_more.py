@@ -1,6 +1,6 @@
 """`recover bench recovery | overhead | controller`: flags, validation, tables.
 
-    recover bench recovery --out DIR [--runs N] [--replicas R]
+    recover bench recovery --out DIR [--runs N] [--replicas R] [--microbatches M]
     recover bench overhead --out DIR [--replicas R] [-M M] [--steps T] [--reps K]
     recover bench controller --out DIR [--agents N1,N2,...] [--duration S]
 
@@ -68,6 +68,8 @@ def add_parsers(kinds: Any) -> None:
     rec.add_argument("--replicas", "-R", type=positive_int, default=4,
                      help="replicas per run, at least 4 (default 4)")
     rec.add_argument("--run-timeout", type=float, default=90.0, help="seconds per run (default 90)")
+    rec.add_argument("--microbatches", "-M", type=positive_int, default=None,
+                     help="M per step (default: 16, or the replicas if more)")
     ovh = kinds.add_parser("overhead", help="failure-free step time: ReCoVer fast/exact vs "
                                             "torch DDP")
     add_job_arguments(ovh, command=False)
@@ -121,9 +123,14 @@ def _recovery(args: argparse.Namespace) -> int:
     if args.replicas < 4:
         raise UsageError(f"--replicas must be at least 4 (3 kills per run, one survivor), "
                          f"got {args.replicas}")
+    microbatches = args.microbatches or max(16, args.replicas)
+    if microbatches < args.replicas:
+        raise UsageError(f"--microbatches must be at least --replicas ({args.replicas}), "
+                         f"got {microbatches}")
     out = out_dir(args.out)
-    results = recovery.run(recovery.RecoveryConfig(runs=args.runs, replicas=args.replicas,
-                                                   out=out, timeout_s=args.run_timeout), say)
+    results = recovery.run(recovery.RecoveryConfig(
+        runs=args.runs, replicas=args.replicas, out=out, timeout_s=args.run_timeout,
+        global_microbatches=microbatches), say)
     _write(out, results)
     print(recovery.format_table(results))
     print(f"results: {out / 'results.json'}")

@@ -13,6 +13,7 @@ from recover.cli.main import main
     ["bench", "overhead", "--out", "{tmp}", "--warmup", "0"],
     ["bench", "recovery", "--out", "{tmp}", "--replicas", "3"],
     ["bench", "recovery", "--out", "{tmp}", "--runs", "0"],
+    ["bench", "recovery", "--out", "{tmp}", "--replicas", "20", "--microbatches", "16"],
     ["bench", "controller", "--out", "{tmp}", "--agents", "10,x"],
     ["bench", "controller", "--out", "{tmp}", "--agents", "0"],
     ["bench", "controller", "--out", "{tmp}", "--duration", "1"],
