@@ -152,6 +152,9 @@ class StepExecutor(JoinSteps):
         self._adopt_plan(plan)
         self.state.reduced = None  # reduced in an older generation: discard, reduce again
         started = time.monotonic()
+        # With the line after the build, this splits a slow rebuild into the wait for this
+        # thread and the group's own build.
+        log.info("generation %d: building its group", view.generation, extra=self._ctx())
         host, _, port = view.rendezvous.rpartition(":")
         group = self.build_group(GroupSpec(
             generation=view.generation, rank=self.members.index(self.replica),
