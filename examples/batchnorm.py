@@ -7,7 +7,8 @@ per-microbatch updates like gradients (``buffers="reduce"``, the default): after
 they are the same whoever computed which microbatch, so in exact mode the eval below gives
 the failure-free run's numbers through kills. ``--buffers local`` shows the alternative
 (each replica's own buffers, outside the guarantee). ``--eval-out FILE`` appends one JSON
-line per step (accuracy, eval loss, a digest of the buffers) from the first replica;
+line per step (accuracy, eval loss, a digest of the buffers) from the first replica (one
+per rank, with its rank, when the replica is sharded);
 ``--save FILE`` writes the final model's state_dict there, from the first replica.
 
 With several ranks per replica (``recover run --ranks-per-replica 2 ...``) the model is

@@ -91,7 +91,8 @@ def test_proportional_quotas_around_a_slow_replica_keep_the_trajectory(
 def test_work_stealing_with_kills_racing_steals_keeps_the_trajectory(
         tmp_path: Path, exact_reference: dict[str, Any]) -> None:
     """Work-stealing changes who computes inside a step, never what: two replicas 4x slower
-    from step 1 have their unstarted microbatches taken by the idle ones, step after step;
+    from step 1 have their unstarted microbatches taken by the idle ones, step after step
+    (under uniform quotas: proportional ones would leave them little to give);
     the giver is SIGKILLed right after answering a Release (its answer may or may not have
     left) and a taker right after being handed stolen microbatches, and both are recovered.
     Every step sums the same 12 microbatches and the trajectory is the uniform failure-free
@@ -99,7 +100,7 @@ def test_work_stealing_with_kills_racing_steals_keeps_the_trajectory(
     controller's gRPC streams while the workers compute, which no fake orders for us."""
     summary = exact_run(tmp_path, 4, "step=2,replica=2,phase=release",
                         "step=3,replica=0,phase=steal",
-                        extra=("--work-stealing", "--compute-ms", "30",
+                        extra=("--work-stealing", "--policy", "recover", "--compute-ms", "30",
                                "--slowdown", "replica=2,factor=4,from_step=1",
                                "--slowdown", "replica=3,factor=4,from_step=1"))
     assert summary["work_stealing"]

@@ -120,7 +120,10 @@ def test_host_loss_kill_and_stop(tmp_path: Path) -> None:
         assert metric(text, "recover_recovery_seconds_count", '{phase="rebuild"}') >= 1
         assert metric(scrape(agent_metrics), "recover_agent_workers", '{state="running"}') == 2
         status = recover_json("status", "--controller", address)[0]
-        assert {entry["microbatches"] for entry in status["load"]} == {4}
+        # The two survivors hold all 8 microbatches (how they split them follows their
+        # measured speeds: the default policy).
+        loads = [entry["microbatches"] for entry in status["load"]]
+        assert len(loads) == 2 and sum(loads) == 8, loads
         os.kill(stopped.pid, signal.SIGCONT)  # the zombie host wakes up: it must stand down
         assert stopped.wait(timeout=15) == 1
         controller.send_signal(signal.SIGTERM)
