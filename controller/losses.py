@@ -25,16 +25,17 @@ from recover.proto import pb
 
 def lose(d: Draft, lost: list[int], why: str) -> None:
     """Replicas lost: recover without them; then slots waiting for room get replicas."""
+    for replica in lost:
+        lose_replica(d, replica)
     _recover_without(d, lost, why)
     if lost:
         membership.fill_waiting_slots(d, f"replica{'s' if len(lost) > 1 else ''} "
                                          f"{', '.join(map(str, lost))} lost")
 
 
-def _recover_without(d: Draft, lost: list[int], why: str, *, demoted: bool = False) -> None:
-    """`demoted`: the replicas are alive, only out of the step (`_demote`)."""
-    for replica in [] if demoted else lost:
-        lose_replica(d, replica)
+def _recover_without(d: Draft, lost: list[int], why: str) -> None:
+    """A new generation without the members in `lost`: gone, or (`_demote`) alive but out
+    of the step."""
     v = d.v
     lost = [r for r in lost if r in v.members]  # a joiner's loss changes no generation
     if v.state is not JobState.RUNNING or not lost or v.takeover is not None:
@@ -139,6 +140,6 @@ def _demote(d: Draft, replica: int, msg: pb.JoinFailed) -> None:
     d.emit("join-demoted", f"{why}: it leaves the step and joins again", step=v.step,
            generation=v.generation, replica=replica, level=logging.WARNING)
     d.change_replica(replica, state=ReplicaState.JOINING)
-    _recover_without(d, [replica], why, demoted=True)
+    _recover_without(d, [replica], why)
     if d.v.state is JobState.RUNNING and d.v.replicas[replica].alive:
         joinflow.rejoin(d, replica, msg)

@@ -22,6 +22,7 @@ import torch
 
 from recover.trainer.groups import CollectiveAborted, GroupSpec, graveyard
 from recover.trainer.groups.gloo import WAIT_SLICE, GenerationGroup, RendezvousServer, wait_or_abort
+from tests.unit.background import in_background
 
 
 class StuckWork:
@@ -87,17 +88,7 @@ def test_an_aborted_group_stops_waiting_closes_at_once_and_is_destroyed_once_glo
         assert torch.equal(total, torch.ones(8))
         stuck = StuckGroup()
         real, group._pg = group._pg, stuck  # type: ignore[assignment]
-        outcome: list[BaseException | None] = []
-
-        def reduce() -> None:
-            try:
-                group.allreduce_sum_(torch.ones(8))
-                outcome.append(None)
-            except BaseException as e:  # noqa: BLE001 - handed to the test thread
-                outcome.append(e)
-
-        thread = threading.Thread(target=reduce, daemon=True)
-        thread.start()
+        thread, outcome = in_background(lambda: group.allreduce_sum_(torch.ones(8)))
         time.sleep(0.2)
         assert thread.is_alive() and stuck.works  # waiting for gloo
         aborted_at = time.monotonic()

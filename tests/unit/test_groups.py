@@ -28,6 +28,7 @@ from recover.trainer.groups.staging import (
     needs_staging,
     staged_reduce,
 )
+from tests.unit.background import in_background
 
 torch.set_num_threads(1)
 JOIN_S = 30.0  # safety net only
@@ -247,18 +248,12 @@ def test_abort_frees_a_member_whose_peer_never_comes_within_a_second() -> None:
     # the group's 60 s timeout.
     server = RendezvousServer()
     group = NcclGroup(GroupSpec(2, 0, 2, "127.0.0.1", server.port, timeout_s=60))
-    outcome: list[BaseException | None] = []
 
     def member() -> None:
-        try:
-            group.connect()
-            group.allreduce_sum_(torch.ones(1024, device="cuda"))
-            outcome.append(None)
-        except BaseException as e:  # noqa: BLE001 - handed to the test thread
-            outcome.append(e)
+        group.connect()
+        group.allreduce_sum_(torch.ones(1024, device="cuda"))
 
-    thread = threading.Thread(target=member, daemon=True)
-    thread.start()
+    thread, outcome = in_background(member)
     thread.join(2.0)
     assert thread.is_alive() and not outcome  # still waiting for the peer
     started = time.monotonic()
