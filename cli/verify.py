@@ -100,11 +100,16 @@ def _state_difference(left: Any, right: Any) -> str:
 
 def compare(a: dict[str, Any], b: dict[str, Any], loss_rtol: float = 0.0) -> Verdict:
     """Compare two summaries' ledgers; the first difference wins."""
-    checks = (
+    checks = [
         ("microbatches_per_step", "microbatches"),
         ("sample_digest_per_step", "sample digest"),
         ("param_sha256_per_step", "parameters"),
-    )
+    ]
+    # A summary without the key is an older build's: one sha256 stream.
+    schemes = a.get("digest_scheme", "sha256"), b.get("digest_scheme", "sha256")
+    unlike = None not in schemes and schemes[0] != schemes[1]
+    if unlike:  # builds that hash parameters differently: their digests cannot be compared
+        checks.pop()
     steps = min(a["steps_committed"], b["steps_committed"])
     for step in range(steps):
         for key, what in checks:
@@ -119,6 +124,10 @@ def compare(a: dict[str, Any], b: dict[str, Any], loss_rtol: float = 0.0) -> Ver
     if a["steps_committed"] != b["steps_committed"]:
         return Verdict(False, f"differ: {a['steps_committed']} vs {b['steps_committed']} committed "
                               f"steps (the first {steps} agree)", None)
+    if unlike:
+        return Verdict(False, f"parameters not compared: one run's digests are {schemes[0]}, the "
+                              f"other's {schemes[1]} (builds that hash them differently); the "
+                              f"{steps} steps' microbatches, samples and loss agree", None)
     return Verdict(True, f"identical: {steps} steps with the same microbatches, samples, loss and "
                          f"{_state_word(a, steps)} after every step", None)
 

@@ -91,6 +91,9 @@ def build_summary(report: pb.RunReport, wall_s: float) -> dict[str, Any]:
             "gradient_buckets": list(report.workload.gradient_buckets),
             "determinism_sha256": report.workload.determinism_sha256 or None,
         },
+        # How the parameter digests below were made (an older build's: one sha256 stream).
+        "digest_scheme": report.workload.digest_scheme
+        or ("sha256" if report.workload.parameters else None),
         "microbatches_per_step": [record.microbatches for record in steps],
         "sample_digest_per_step": [record.sample_digest for record in steps],
         # The ledger's sample ids themselves (sorted per step), with --record-sample-ids only.

@@ -245,16 +245,18 @@ class Shutdown(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., success: _Optional[bool] = ..., state: _Optional[str] = ...) -> None: ...
 
 class WorkloadInfo(_message.Message):
-    __slots__ = ("parameters", "gradient_buckets", "samples_per_microbatch", "determinism_sha256")
+    __slots__ = ("parameters", "gradient_buckets", "samples_per_microbatch", "determinism_sha256", "digest_scheme")
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     GRADIENT_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_PER_MICROBATCH_FIELD_NUMBER: _ClassVar[int]
     DETERMINISM_SHA256_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_SCHEME_FIELD_NUMBER: _ClassVar[int]
     parameters: int
     gradient_buckets: _containers.RepeatedScalarFieldContainer[str]
     samples_per_microbatch: int
     determinism_sha256: str
-    def __init__(self, parameters: _Optional[int] = ..., gradient_buckets: _Optional[_Iterable[str]] = ..., samples_per_microbatch: _Optional[int] = ..., determinism_sha256: _Optional[str] = ...) -> None: ...
+    digest_scheme: str
+    def __init__(self, parameters: _Optional[int] = ..., gradient_buckets: _Optional[_Iterable[str]] = ..., samples_per_microbatch: _Optional[int] = ..., determinism_sha256: _Optional[str] = ..., digest_scheme: _Optional[str] = ...) -> None: ...
 
 class Ready(_message.Message):
     __slots__ = ("param_sha256", "pid", "workload", "transfer_address", "transfer_tls_sha256")

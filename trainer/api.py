@@ -48,6 +48,7 @@ from recover.trainer.channel import AgentChannel, ChannelClosed
 from recover.trainer.checkpoint import CheckpointWriter
 from recover.trainer.determinism import check_batch
 from recover.trainer.determinism import check_determinism as run_determinism_check
+from recover.trainer.digest import DIGEST_SCHEME
 from recover.trainer.errors import WorkloadError, contract_error
 from recover.trainer.executor import StepExecutor
 from recover.trainer.faults import hooks_for
@@ -271,7 +272,8 @@ def train(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
         beacon = ProgressBeacon(Path(progress_file)) if progress_file else None
         info = pb.WorkloadInfo(parameters=sum(p.numel() for p in workload.params),
                                gradient_buckets=grads.describe(),
-                               samples_per_microbatch=workload.source.samples_per_microbatch or 0)
+                               samples_per_microbatch=workload.source.samples_per_microbatch or 0,
+                               digest_scheme=DIGEST_SCHEME)
         first_step = proto.resume.step if proto.resume.path else 0
         hooks = hooks_for(proto.testing, job.replica, channel.note_fault,
                           beacon.mark_killed if beacon is not None else None, job.replica_rank)

@@ -4,20 +4,61 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Executor
 
 import torch
 
+DIGEST_SCHEME = "sha256/16MiB"
+"""How a digest is made (reported in each run's summary, so that `recover verify` never
+compares digests made two ways): per tensor, its name, dtype, shape and byte count, then the
+sha256 of each 16 MiB chunk of its bytes; the sha256 of all that is the digest. The chunks
+are independent, so a large model is hashed on several threads (`pool`) with the same
+result as on one: a single sha256 stream over 200 MB took longer than a GPU step
+(BENCHMARKS.md section 13). Before it ("sha256"): one stream over every tensor's bytes."""
 
-def tensor_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """Hex sha256 over names, dtypes, shapes and raw bytes; dtype and shape are hashed
-    too, so a reinterpretation of the same bytes cannot collide."""
+CHUNK_BYTES = 16 << 20
+
+
+def _header_and_bytes(name: str, tensor: torch.Tensor) -> tuple[str, memoryview]:
+    tensor = local_part(tensor)
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    # Viewing as uint8 lets numpy expose the buffer for any dtype (bfloat16 included).
+    return f"{name}|{flat.dtype}|{tuple(tensor.shape)}|", memoryview(flat.view(torch.uint8).numpy())
+
+
+def _sha256(chunk: memoryview) -> bytes:
+    return hashlib.sha256(chunk).digest()  # releases the GIL: chunks hash in parallel
+
+
+def tensor_digest(named: Iterable[tuple[str, torch.Tensor]], pool: Executor | None = None) -> str:
+    """Hex digest (DIGEST_SCHEME) over names, dtypes, shapes and raw bytes; dtype and shape
+    are hashed too, so a reinterpretation of the same bytes cannot collide. `pool`: threads
+    to hash the chunks on (the same digest either way)."""
+    headers, chunks, counts = [], [], []
+    for name, tensor in named:
+        header, raw = _header_and_bytes(name, tensor)
+        headers.append(f"{header}{len(raw)}|".encode())
+        pieces = [raw[at:at + CHUNK_BYTES] for at in range(0, len(raw), CHUNK_BYTES)]
+        chunks.extend(pieces)
+        counts.append(len(pieces))
+    hashed = iter(pool.map(_sha256, chunks) if pool is not None and len(chunks) > 1
+                  else map(_sha256, chunks))
+    h = hashlib.sha256()
+    for header, count in zip(headers, counts, strict=True):
+        h.update(header)
+        for _ in range(count):
+            h.update(next(hashed))
+    return h.hexdigest()
+
+
+def legacy_tensor_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """The digest of builds before DIGEST_SCHEME (one sha256 stream): what checkpoints
+    written by those builds recorded, checked when such a checkpoint is resumed."""
     h = hashlib.sha256()
     for name, tensor in named:
-        tensor = local_part(tensor)
-        t = tensor.detach().to("cpu").contiguous().reshape(-1)
-        h.update(f"{name}|{t.dtype}|{tuple(tensor.shape)}|".encode())
-        # Viewing as uint8 lets numpy expose the buffer for any dtype (bfloat16 included).
-        h.update(memoryview(t.view(torch.uint8).numpy()))
+        header, raw = _header_and_bytes(name, tensor)
+        h.update(header.encode())
+        h.update(raw)
     return h.hexdigest()
 
 
@@ -34,9 +75,17 @@ def parameter_digest(model: torch.nn.Module) -> str:
 
 
 def step_digest(params: Iterable[tuple[str, torch.Tensor]],
-                buffers: Sequence[tuple[str, torch.Tensor]] = ()) -> str:
+                buffers: Sequence[tuple[str, torch.Tensor]] = (),
+                pool: Executor | None = None) -> str:
     """The step digest: the parameters' digest, then ``+`` and the digest of the buffers in
     the guarantee when there are any. A model without them keeps exactly its parameter
     digest; one with them gets two parts, so `recover verify` can say which differs."""
-    digest = tensor_digest(params)
-    return f"{digest}+{tensor_digest(buffers)}" if buffers else digest
+    digest = tensor_digest(params, pool)
+    return f"{digest}+{tensor_digest(buffers, pool)}" if buffers else digest
+
+
+def legacy_step_digest(params: Iterable[tuple[str, torch.Tensor]],
+                       buffers: Sequence[tuple[str, torch.Tensor]] = ()) -> str:
+    """step_digest as builds before DIGEST_SCHEME made it."""
+    digest = legacy_tensor_digest(params)
+    return f"{digest}+{legacy_tensor_digest(buffers)}" if buffers else digest

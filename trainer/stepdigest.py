@@ -9,13 +9,20 @@ order, by the training loop when it is ready (`deliver`), or at once where somet
 needs it (`settle`: before a donor's snapshot, a joiner's catch-up step, a checkpoint).
 Nothing about the digest changes: the same bytes, the same names, the same order.
 
+The thread copies the clones to the host on a CUDA stream of its own, into pinned memory:
+a plain `.to("cpu")` there is a pageable copy on the default stream, which every kernel of
+the next step queued after it waits for (and which waits for them), so the hash's copy
+took GPU time from the step it was meant to stay out of.
+
 Not used for a replica of several ranks (their digest is combined over the replica's
 group, a collective that must stay in the ranks' lockstep) nor for CPU parameters (the
-copy would cost a third of the hash, on cores the computation needs).
+copy would cost a third of the hash, on cores the computation needs). The thread hashes
+the snapshot's chunks on a few more (digest.DIGEST_SCHEME).
 """
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,6 +35,10 @@ from recover.trainer.digest import step_digest
 
 Named = Sequence[tuple[str, torch.Tensor]]
 
+HASH_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) // 4))
+"""Threads hashing one snapshot's chunks: enough that 200 MB hash within a GPU step (~40 ms
+on 4), few enough that the GPUs' replicas sharing a host's cores do not crowd it."""
+
 MAX_PENDING = 2
 """Snapshots hashing or waiting at once: where steps outrun the hash, the step waits for
 the oldest rather than copies of the parameters piling up on the device."""
@@ -36,6 +47,42 @@ the oldest rather than copies of the parameters piling up on the device."""
 def snapshot(named: Named) -> list[tuple[str, torch.Tensor]]:
     """Copies of the tensors as they are now, on their own device."""
     return [(name, tensor.detach().clone()) for name, tensor in named]
+
+
+class _HostCopies:
+    """Device snapshots copied to pinned host memory on a side stream per device."""
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    @staticmethod
+    def ordered_after_now(named: Named) -> dict[torch.device, torch.cuda.Event]:
+        """Per GPU, an event after the snapshot's clones (enqueued on its current stream)
+        for the copies to wait on."""
+        events = {}
+        for device in {t.device for _, t in named if t.is_cuda}:
+            events[device] = torch.cuda.Event()
+            events[device].record(torch.cuda.current_stream(device))
+        return events
+
+    def to_host(self, named: Named, ready: dict[torch.device, torch.cuda.Event]) -> Named:
+        if not ready:
+            return named
+        for device, event in ready.items():
+            if device not in self._streams:
+                self._streams[device] = torch.cuda.Stream(device)
+            self._streams[device].wait_event(event)
+        out: list[tuple[str, torch.Tensor]] = []
+        for name, tensor in named:
+            if tensor.is_cuda:
+                with torch.cuda.stream(self._streams[tensor.device]):
+                    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                    host.copy_(tensor, non_blocking=True)
+                tensor = host
+            out.append((name, tensor))
+        for device in ready:
+            self._streams[device].synchronize()
+        return out
 
 
 @dataclass
@@ -54,15 +101,24 @@ class BackgroundDigests:
         self._replica = replica
         self._send = send
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recover-digest")
+        self._chunks = ThreadPoolExecutor(max_workers=HASH_THREADS,
+                                          thread_name_prefix="recover-digest-chunk")
         self._pending: deque[_Pending] = deque()
+        self._host = _HostCopies()
 
     def submit(self, step: int, record: pb.StepRecord, commit_wait_s: float,
                params: Named, buffers: Named) -> None:
         """Hash a snapshot (taken by the caller, now) of the state after `step`."""
         while len(self._pending) >= MAX_PENDING:
             self._deliver_oldest()
-        future = self._pool.submit(step_digest, params, buffers)
+        ready = self._host.ordered_after_now([*params, *buffers])
+        future = self._pool.submit(self._hash, params, buffers, ready)
         self._pending.append(_Pending(step, future, record, commit_wait_s))
+
+    def _hash(self, params: Named, buffers: Named,
+              ready: dict[torch.device, torch.cuda.Event]) -> str:
+        return step_digest(self._host.to_host(params, ready), self._host.to_host(buffers, ready),
+                           self._chunks)
 
     def deliver(self, wait: bool = False) -> None:
         """Report the digests that are ready (all of them, with `wait`), oldest first."""
@@ -83,3 +139,4 @@ class BackgroundDigests:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._chunks.shutdown(wait=False, cancel_futures=True)

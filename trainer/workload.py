@@ -15,7 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from recover.trainer.buffers import ModelBuffers, model_buffers
-from recover.trainer.digest import step_digest
+from recover.trainer.digest import legacy_step_digest, step_digest
 from recover.trainer.errors import call_user, contract_error
 from recover.trainer.gradients import GradientBuckets
 from recover.trainer.lossscale import LossScaler
@@ -296,9 +296,10 @@ class Workload:
         return (list(self.model.named_parameters()),
                 list(self.model_buffers.named()) if self.model_buffers else [])
 
-    def digest(self) -> str:
-        """The step digest: parameters, and the buffers in the guarantee (digest.step_digest)."""
-        digest = step_digest(*self.digest_tensors())
+    def digest(self, legacy: bool = False) -> str:
+        """The step digest: parameters, and the buffers in the guarantee (digest.step_digest;
+        `legacy`: as builds before digest.DIGEST_SCHEME made it)."""
+        digest = (legacy_step_digest if legacy else step_digest)(*self.digest_tensors())
         return self.combine_digest(digest) if self.combine_digest is not None else digest
 
     # ------------------------------------------------------------ state for joins and restores

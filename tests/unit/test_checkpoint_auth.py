@@ -20,7 +20,7 @@ from recover.common import ckptfile, ckptkey
 from recover.common.ckptfile import CheckpointError
 from recover.proto import pb
 from recover.trainer.checkpoint import load, load_checkpoint
-from recover.trainer.digest import parameter_digest
+from recover.trainer.digest import legacy_step_digest, parameter_digest
 from recover.trainer.errors import WorkloadError
 from recover.trainer.executorbase import ExecutorBase
 from recover.trainer.statewire import as_bytes, encode
@@ -182,7 +182,8 @@ class Resuming:
     lockstep = None
 
     def __init__(self, model: nn.Module) -> None:
-        self.workload = SimpleNamespace(model=model, digest=lambda: parameter_digest(model))
+        self.workload = SimpleNamespace(model=model, digest=lambda legacy=False: (
+            legacy_step_digest(model.named_parameters()) if legacy else parameter_digest(model)))
 
     def load_training_state(self, state: dict, step: int, ledger: list) -> None:
         self.workload.model.load_state_dict(state["model"])
@@ -204,6 +205,17 @@ def test_loaded_parameters_are_compared_with_the_ledger(tmp_path: Path) -> None:
     with pytest.raises(WorkloadError, match="holds the state before step 20, the job resumes"):
         ExecutorBase.load_checkpoint(Resuming(nn.Linear(3, 2)),  # type: ignore[arg-type]
                                      pb.ResumePoint(path=str(good), step=10))
+
+
+def test_a_checkpoint_of_a_build_before_the_chunked_digest_still_resumes(tmp_path: Path) -> None:
+    # Its ledger holds the one-stream sha256 of the parameters (digest.legacy_step_digest).
+    trained = nn.Linear(3, 2)
+    state = {"model": {k: v.clone() for k, v in trained.state_dict().items()}}
+    legacy = legacy_step_digest(trained.named_parameters())
+    assert legacy != parameter_digest(trained)
+    old = write(tmp_path / "old", 20, state=state, digest=legacy)
+    ExecutorBase.load_checkpoint(Resuming(nn.Linear(3, 2)),  # type: ignore[arg-type]
+                                 pb.ResumePoint(path=str(old), step=20))
 
 
 def test_planted_newer_files_do_not_make_pruning_delete_the_real_ones(tmp_path: Path) -> None:

@@ -439,3 +439,28 @@ def test_batches_loaded_ahead_train_the_same_through_a_loss() -> None:
     loaders = {thread for r in (0, 2)
                for _, thread in ahead.executors[r].workload.source.prefetcher.loaded_by}
     assert any(name.startswith("recover-loader") for name in loaders), loaders
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the side-stream "
+                    "copy of a GPU snapshot cannot run here (scripts/gpu_check.sh runs it)")
+def test_a_gpu_snapshot_is_hashed_as_it_was_taken_while_the_parameters_change() -> None:
+    # The hashing thread copies the snapshot on a stream of its own: the copy must wait for
+    # the clone (queued on the default stream behind a long kernel) and see none of what
+    # the next step then writes into the parameters.
+    from recover.trainer import stepdigest
+    from recover.trainer.digest import step_digest
+
+    weight = torch.randn(4096, 4096, device="cuda")
+    expected = step_digest([("w", weight.cpu())])
+    sent: list[pb.WorkerReport] = []
+    digests = stepdigest.BackgroundDigests(0, sent.append)
+    busy = torch.randn(8192, 8192, device="cuda")
+    for _ in range(10):  # ~0.2 s of kernels queued before the snapshot's clone
+        busy = busy @ busy / 8192
+    digests.submit(0, pb.StepRecord(step=0), 0.0, stepdigest.snapshot([("w", weight)]), [])
+    for _ in range(8):
+        weight.mul_(1.5)  # the next step's writes, queued after the snapshot
+    digests.settle()
+    assert [r.applied.param_sha256 for r in sent] == [expected]
+    assert step_digest([("w", weight.cpu())]) != expected
+    digests.close()

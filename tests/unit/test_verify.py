@@ -237,3 +237,27 @@ def test_buffer_digests_say_which_part_differs():
     assert "step 2: parameters 02cdcdcdcdcd vs eeeeeeeeeeee" in compare(with_buffers("b1"),
                                                                         params).message
     assert "the other's do not" in compare(summary(), with_buffers("b1")).message
+
+
+@pytest.mark.parametrize(("scheme_a", "scheme_b", "compared"), [
+    pytest.param("sha256/16MiB", "sha256/16MiB", True, id="same-scheme"),
+    pytest.param(None, "sha256/16MiB", True, id="one-run-reported-none"),
+    pytest.param("sha256/16MiB", "absent", False, id="an-older-builds-summary"),
+    pytest.param("sha256", "sha256/16MiB", False, id="two-schemes"),
+])
+def test_digests_made_two_ways_are_not_compared(scheme_a, scheme_b, compared):
+    a, b = summary(), altered("param_sha256_per_step", 1, "ee" * 32)
+    a["digest_scheme"] = scheme_a
+    if scheme_b != "absent":  # a summary of a build before the key: one sha256 stream
+        b["digest_scheme"] = scheme_b
+    verdict = compare(a, b)
+    assert not verdict.identical
+    if compared:
+        assert verdict.first_difference == 1 and "parameters" in verdict.message
+    else:
+        assert verdict.first_difference is None
+        assert verdict.message.startswith("parameters not compared: one run's digests are")
+        assert f"the {STEPS} steps' microbatches, samples and loss agree" in verdict.message
+        lost = altered("loss_per_step", 2, 9.0)
+        lost["digest_scheme"] = scheme_a
+        assert compare(lost, b).first_difference == 2  # the rest is still compared
