@@ -275,3 +275,35 @@ def test_a_steal_is_decided_before_the_takers_are_idle() -> None:
     got = decide(members, NOW)
     assert [(s.giver, dict(s.takes)) for s in got.steals] == [(2, {0: (11,), 1: (10,)})]
     assert not got.close  # nobody is idle: nobody is closed yet
+
+
+# ---------------------------------------------------------------- the fast decide vs the first one
+
+def _random_members(rng, count: int, per: int) -> dict[int, Member]:
+    members, first = {}, 0
+    for replica in range(count):
+        share = tuple(range(first, first + rng.randint(0, per)))
+        first += len(share)
+        flags = rng.choice([{}, {}, {}, {"closed": True}, {"giving": True}, {"taking": True}])
+        # Speeds from a few values, so that ties between takers happen and their order counts.
+        members[replica] = member(replica, share, rng.randint(0, len(share)),
+                                  rng.choice([0.0, 0.02, 0.05, 0.05, 0.1, rng.uniform(0.01, 0.3)]),
+                                  NOW - rng.choice([0.0, 0.01, 0.05, rng.uniform(0, 0.4)]), **flags)
+    return members
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_decide_agrees_with_the_quadratic_first_version(seed: int) -> None:
+    # The first version (tests/unit/stealing_reference.py) is the specification: the same
+    # steals, takes, reasons and closes, on small and large books, ties and flags included.
+    import random
+
+    from tests.unit.stealing_reference import reference_decide, reference_split_unstarted
+
+    rng = random.Random(seed)
+    members = _random_members(rng, rng.choice([2, 3, 5, 8, 16, 64, 200]), rng.choice([2, 4, 9]))
+    latency = rng.choice([0.0, 0.005, 0.05])
+    assert decide(members, NOW, latency) == reference_decide(members, NOW, latency)
+    giver, *takers = members.values()
+    assert split_unstarted(giver, takers, NOW, latency) == \
+        reference_split_unstarted(giver, takers, NOW, latency)
