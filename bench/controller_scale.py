@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import statistics
 import subprocess
 import sys
@@ -156,10 +157,14 @@ def measure(n: int, config: ScaleConfig, progress: Callable[[str], None]) -> dic
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
         for client in clients:
             assert client.stdout is not None
-            # readline blocks; the ramp timeout is enforced by the controller's own start
-            # timeout and by the client failing its sessions, both of which end the line.
-            if client.stdout.readline().strip() != "up":
-                raise RuntimeError(f"N={n}: simulated agents did not all come up")
+            # A client says "up", or why not; one whose agents never connect says nothing.
+            waited = began + config.ramp_timeout_s - time.time()
+            if not select.select([client.stdout], [], [], max(waited, 0.0))[0]:
+                raise RuntimeError(f"N={n}: simulated agents not all up after "
+                                   f"{config.ramp_timeout_s:.0f}s (see {folder}/controller.log)")
+            line = client.stdout.readline().strip()
+            if line != "up":
+                raise RuntimeError(f"N={n}: simulated agents did not all come up: {line}")
         all_up_s = time.time() - began
         if all_up_s > config.ramp_timeout_s:
             raise RuntimeError(f"N={n}: ramp-up took {all_up_s:.0f}s")

@@ -106,8 +106,16 @@ async def main_async(address: str, first: int, count: int, period_s: float) -> d
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     async def announce() -> None:
-        await asyncio.gather(*(a.up.wait() for a in agents))
-        print("up", flush=True)
+        # Up once every agent has its first generation; an agent whose session ended before
+        # (refused, or its connection failed) makes the line say why instead of hanging.
+        async def settled(agent: SimAgent) -> None:
+            await asyncio.wait([asyncio.create_task(agent.up.wait()),
+                                asyncio.create_task(agent.closing.wait())],
+                               return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.gather(*(settled(a) for a in agents))
+        failed = [a for a in agents if not a.up.is_set()]
+        print("up" if not failed else f"{len(failed)} agents failed, e.g. {failed[0].agent_id}: "
+              f"{failed[0].error or 'session ended'}", flush=True)
 
     announcer = asyncio.create_task(announce())
     killed_at = None

@@ -25,10 +25,9 @@ from recover.proto import pb
 
 
 def capacity(d: Draft) -> Capacity:
-    known = list(d.v.replicas)  # lost ones included: ids are never reused
-    return Capacity(wanted=d.v.job.replicas + d.v.job.spares,
-                    live=sum(r.alive for r in d.v.replicas.values()),
-                    next_id=max(known, default=-1) + 1)
+    counts = d.v.counts  # lost replicas' ids included in next_id: ids are never reused
+    return Capacity(wanted=d.v.job.replicas + d.v.job.spares, live=counts.live,
+                    next_id=counts.next_id)
 
 
 def register_agent(d: Draft, agent_id: str, host: str, slots: int,
@@ -101,10 +100,10 @@ def fill_waiting_slots(d: Draft, why: str) -> None:
 
 
 def maybe_start(d: Draft, grace_s: float) -> None:
-    live = [r for r in d.v.replicas.values() if r.alive]
+    counts = d.v.counts
     failed_at = d.v.startup_failed_at
     decision = start_decision(
-        ready=sum(r.ready for r in live), live=len(live), target=d.v.job.replicas,
+        ready=counts.ready, live=counts.live, target=d.v.job.replicas,
         min_replicas=d.v.job.min_replicas,
         startup_failure_for_s=None if failed_at is None else d.now - failed_at,
         grace_s=grace_s)

@@ -122,6 +122,31 @@ class TakeoverWait:
 
 
 @dataclass(frozen=True)
+class ReplicaTally:
+    """Counts over `JobView.replicas`, kept by the Draft as replicas change: registering an
+    agent and a worker's `ready` read them, and counting there cost O(replicas) each, so a
+    job's start was quadratic in its agents (BENCHMARKS.md section 5)."""
+
+    live: int = 0
+    ready: int = 0
+    """Alive and past `ready` (every ready replica is alive)."""
+    next_id: int = 0
+    """One past the highest replica id ever given: ids are never reused."""
+
+    @staticmethod
+    def of(replicas: Mapping[int, Replica]) -> ReplicaTally:
+        return ReplicaTally(live=sum(r.alive for r in replicas.values()),
+                            ready=sum(r.ready for r in replicas.values()),
+                            next_id=max(replicas, default=-1) + 1)
+
+    def changed(self, old: Replica | None, new: Replica) -> ReplicaTally:
+        return ReplicaTally(
+            live=self.live + new.alive - (old.alive if old is not None else False),
+            ready=self.ready + new.ready - (old.ready if old is not None else False),
+            next_id=max(self.next_id, new.replica_id + 1))
+
+
+@dataclass(frozen=True)
 class JobView:
     """Everything the leader decides with. Immutable: a transition makes a new one."""
 
@@ -166,6 +191,17 @@ class JobView:
     redos: int = 0
     joined: int = 0
     abandoned: int = 0
+    tally: ReplicaTally | None = None
+    """Counts over `replicas` (computed when not given; the Draft keeps them current)."""
+
+    def __post_init__(self) -> None:
+        if self.tally is None:
+            object.__setattr__(self, "tally", ReplicaTally.of(self.replicas))
+
+    @property
+    def counts(self) -> ReplicaTally:
+        assert self.tally is not None  # set by __post_init__
+        return self.tally
 
     @property
     def last_step_committed(self) -> bool:
@@ -242,6 +278,8 @@ class Draft:
             if name in fields:
                 fields[name] = dict(fields[name])
                 self._copied.add(name)
+        if "replicas" in fields:
+            fields["tally"] = ReplicaTally.of(fields["replicas"])
         self.v = dataclasses.replace(self.v, **fields)
 
     def _map(self, name: str) -> dict[Any, Any]:
@@ -252,7 +290,10 @@ class Draft:
         return working
 
     def put_replica(self, replica: Replica) -> None:
-        self._map("replicas")[replica.replica_id] = replica
+        replicas = self._map("replicas")
+        tally = self.v.counts.changed(replicas.get(replica.replica_id), replica)
+        replicas[replica.replica_id] = replica
+        self.v = dataclasses.replace(self.v, tally=tally)
 
     def change_replica(self, replica: int, **changes: Any) -> Replica:
         updated = dataclasses.replace(self.v.replicas[replica], **changes)

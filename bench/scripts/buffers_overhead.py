@@ -26,10 +26,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--width", type=int, default=8, help="the example's channel width")
+    parser.add_argument("--replicas", type=int, default=2,
+                        help="1: the buffers' own cost, without a second worker on the cores")
+    parser.add_argument("--modes", default="fast,exact")
     parser.add_argument("--out", default="runs/buffers-overhead")
     args = parser.parse_args()
     out = Path(args.out)
-    variants = [(mode, buffers) for mode in ("fast", "exact") for buffers in ("local", "reduce")]
+    modes = args.modes.split(",")
+    variants = [(mode, buffers) for mode in modes for buffers in ("local", "reduce")]
     results: dict[str, list[float]] = {f"{m} {b}": [] for m, b in variants}
     for round_ in range(args.rounds):
         # Rotate the first variant, so that none always runs on a cold or warm machine.
@@ -38,7 +42,7 @@ def main() -> None:
             run = out / f"r{round_}-{mode}-{buffers}"
             done = subprocess.run(
                 [sys.executable, "-m", "recover.cli.main", "run", "--out", str(run), "--quiet",
-                 "--no-plot", "--replicas", "2", "--steps", str(args.steps), "-M", "4",
+                 "--no-plot", "--replicas", str(args.replicas), "--steps", str(args.steps), "-M", "4",
                  "--seed", "1", "--reduce", mode, "--",
                  "python", str(EXAMPLE), "--buffers", buffers, "--width", str(args.width)],
                 capture_output=True, text=True, timeout=600)
@@ -49,18 +53,19 @@ def main() -> None:
             print(f"round {round_}: {mode} {buffers}: {results[f'{mode} {buffers}'][-1] * 1000:.1f} "
                   "ms/step", flush=True)
     median = {label: statistics.median(times) for label, times in results.items()}
-    ratios = {mode: median[f"{mode} reduce"] / median[f"{mode} local"] for mode in ("fast", "exact")}
+    ratios = {mode: median[f"{mode} reduce"] / median[f"{mode} local"] for mode in modes}
     per_round = {mode: [r / loc for r, loc in zip(results[f"{mode} reduce"],
                                                   results[f"{mode} local"], strict=True)]
-                 for mode in ("fast", "exact")}
-    for mode in ("fast", "exact"):
+                 for mode in modes}
+    for mode in modes:
         print(f"{mode}: reduce {median[f'{mode} reduce'] * 1000:.1f} ms, local "
               f"{median[f'{mode} local'] * 1000:.1f} ms: {ratios[mode]:.3f}x (per round "
               f"{', '.join(f'{r:.3f}' for r in per_round[mode])}; target <= 1.02)")
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({
         "rounds": results, "median_s": median, "reduce_vs_local": ratios,
-        "per_round": per_round, "target": 1.02, "steps": args.steps, "width": args.width},
+        "per_round": per_round, "target": 1.02, "steps": args.steps, "width": args.width,
+        "replicas": args.replicas},
         indent=2) + "\n")
 
 

@@ -43,7 +43,7 @@ def _emit(ev: str, **kw: Any) -> None:
 def _worker(cfg: dict[str, Any]) -> None:
     import torch
 
-    from recover.trainer.groups import CollectiveAborted, GroupSpec, gloo
+    from recover.trainer.groups import CollectiveAborted, GroupSpec, gloo, graveyard
     from recover.trainer.groups.gloo import GenerationGroup
 
     torch.set_num_threads(1)
@@ -96,11 +96,19 @@ def _worker(cfg: dict[str, Any]) -> None:
     t0 = time.monotonic()
     group.close()
     close_s = time.monotonic() - t0
-    # White-box: every socket of the generation must be gone once close() returns
-    # (nothing, e.g. an exception's traceback, may keep the group alive).
+    # A collective given up on may still be ending in gloo (its sockets shut down by the
+    # abort, it fails at once, but on gloo's thread): the group then waits in the graveyard
+    # until it has, and the next group's build destroys it. Wait for that as the next build
+    # would (a bound far above the milliseconds it takes), then every socket of the
+    # generation must be gone (nothing, e.g. an exception's traceback, may keep it alive).
+    deadline = time.monotonic() + 10.0
+    graveyard.purge()
+    while graveyard.buried() and time.monotonic() < deadline:
+        time.sleep(0.01)
+        graveyard.purge()
     owned = group._owned or set()
     leaked = len(owned & set(gloo._socket_inodes()))
-    _emit("closed", close_s=close_s, owned=len(owned), leaked=leaked)
+    _emit("closed", close_s=close_s, owned=len(owned), leaked=leaked, buried=graveyard.buried())
     if mode == "sum":
         return
 

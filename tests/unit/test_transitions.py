@@ -18,7 +18,7 @@ from recover.controller.jobstate import JobState
 from recover.controller.policy import RecoverPolicy
 from recover.controller.records import PersistedJob
 from recover.controller.transitions import maybe_finish
-from recover.controller.view import Draft, Facts, JobView, ReplicaState
+from recover.controller.view import Draft, Facts, JobView, Replica, ReplicaState, ReplicaTally
 from recover.proto import pb
 
 NOW = 1000.0
@@ -38,6 +38,9 @@ def run(view: JobView, transition: Callable[..., Any], *args: Any,
     draft = Draft(view, facts(**fact_overrides))
     result = transition(draft, *args)
     new_view, todo = draft.freeze()
+    # Every transition of this file keeps the counts the Draft maintains as they would be
+    # counted from scratch.
+    assert new_view.counts == ReplicaTally.of(new_view.replicas)
     return new_view, todo, result
 
 
@@ -71,6 +74,29 @@ def reduced(view: JobView, replica: int) -> pb.Reduced:
     ids = view.plan[replica]
     return pb.Reduced(generation=view.generation, step=view.step, microbatch_ids=ids,
                       sample_ids=list(ids), loss=2.5, compute_s=0.1, tokens=len(ids))
+
+
+def test_registering_and_readying_read_counts_not_every_replica(monkeypatch) -> None:
+    # A job's start registers every agent and readies every replica: counting the replicas
+    # in each made it quadratic (2,000 agents stalled the controller: BENCHMARKS.md 5).
+    view = JobView(job=job(replicas=2002))  # one more to come: the job does not start yet
+    replicas = {r: Replica(r, f"a{r}", state=ReplicaState.READY) for r in range(2000)}
+    view = dataclasses.replace(view, replicas=replicas, tally=ReplicaTally.of(replicas))
+    looked_at = 0
+    alive = Replica.alive
+
+    def counted(self: Replica) -> bool:
+        nonlocal looked_at
+        looked_at += 1
+        return alive.fget(self)  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(Replica, "alive", property(counted))
+    view, _, ids = run(view, membership.register_agent, "new", "h", 1)
+    registered = looked_at
+    view, _, _ = run(view, membership.worker_ready, ids[0], pb.Ready(pid=1, workload=WORKLOAD), 10.0)
+    assert ids == [2000] and view.counts.ready == 2001 and view.state is JobState.WAITING
+    # `run` itself recounts from scratch (the check above): leave those out.
+    assert registered - 2001 < 20 and looked_at - registered - 2001 < 20
 
 
 def test_a_member_lost_mid_step_makes_the_next_generation_and_leaves_the_old_view_alone():
