@@ -117,8 +117,8 @@ class BackgroundDigests:
 
     def _hash(self, params: Named, buffers: Named,
               ready: dict[torch.device, torch.cuda.Event]) -> str:
-        return step_digest(self._host.to_host(params, ready), self._host.to_host(buffers, ready),
-                           self._chunks)
+        on_host = self._host.to_host([*params, *buffers], ready)  # one wait for the copies
+        return step_digest(on_host[:len(params)], on_host[len(params):], self._chunks)
 
     def deliver(self, wait: bool = False) -> None:
         """Report the digests that are ready (all of them, with `wait`), oldest first."""
