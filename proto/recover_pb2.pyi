@@ -413,14 +413,16 @@ class StateManifest(_message.Message):
     def __init__(self, root: _Optional[_Union[StateNode, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., step: _Optional[int] = ...) -> None: ...
 
 class TransferHello(_message.Message):
-    __slots__ = ("token", "donor", "joiner")
+    __slots__ = ("token", "donor", "joiner", "stream_key")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     DONOR_FIELD_NUMBER: _ClassVar[int]
     JOINER_FIELD_NUMBER: _ClassVar[int]
+    STREAM_KEY_FIELD_NUMBER: _ClassVar[int]
     token: str
     donor: int
     joiner: int
-    def __init__(self, token: _Optional[str] = ..., donor: _Optional[int] = ..., joiner: _Optional[int] = ...) -> None: ...
+    stream_key: bytes
+    def __init__(self, token: _Optional[str] = ..., donor: _Optional[int] = ..., joiner: _Optional[int] = ..., stream_key: _Optional[bytes] = ...) -> None: ...
 
 class CatchUpStep(_message.Message):
     __slots__ = ("step", "loss", "microbatches", "tokens", "generation", "tensors", "record")

@@ -32,6 +32,10 @@ log = logging.getLogger("recover.trainer")
 
 CONNECT_TIMEOUT_S = 30.0
 """How long a donor tries to reach its joiner, and a joiner waits for its donor."""
+SEAL_FROM_BYTES = 16 << 20
+"""Under TLS, a snapshot this large or larger goes in sealed records (trainer/sealed.py):
+Python's TLS reads 16 KB a call, sealing costs one round trip more before the first byte;
+they break even at a few MB on loopback (BENCHMARKS.md "Over TLS")."""
 MAX_BACKLOG_STEPS = 256
 """Committed steps a donor holds for a joiner that reads slower than it trains; beyond that
 the join is given up (the controller starts another one from a fresh snapshot)."""
@@ -99,7 +103,8 @@ class Donation:
         try:
             stream = connect(self._command.address, pb.TransferHello(
                 token=self._command.token, donor=self._donor, joiner=self.joiner),
-                CONNECT_TIMEOUT_S, tls_sha256=self._command.tls_sha256)
+                CONNECT_TIMEOUT_S, tls_sha256=self._command.tls_sha256,
+                seal=self._snapshot.nbytes >= SEAL_FROM_BYTES)
             stream.settimeout(CONNECT_TIMEOUT_S)
             manifest = self._snapshot.manifest()
             manifest.step = self._next

@@ -19,7 +19,9 @@ SHA-256 with its address over its authenticated agent; the controller hands both
 donor, which streams only to the peer presenting that certificate. The donor in turn is
 authenticated by the one-time token. Not the job's CA: an agent's certificate is a client
 certificate only (so that it cannot pose as a controller), and the controller's word is
-what a donor needs to trust, which the pinned digest carries.
+what a donor needs to trust, which the pinned digest carries. A large state goes faster
+outside TLS: its donor's hello then holds a fresh key, TLS ends there, and the bytes follow
+as AES-GCM records sealed with that key on the same connection (`trainer/sealed.py`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from google.protobuf.message import DecodeError, Message
 
 from recover.proto import pb
 from recover.trainer.groups import gloo
+from recover.trainer.sealed import SealedSocket, SealError, new_key
 from recover.trainer.statewire import as_bytes, empty_tensors
 
 MAGIC = b"RCVR"
@@ -93,6 +96,17 @@ class Stream:
     def settimeout(self, seconds: float | None) -> None:
         self._sock.settimeout(seconds)
 
+    def seal(self, key: bytes, donor: bool) -> None:
+        """End TLS on this connection (both ends call this right after the hello) and
+        carry the rest in records sealed with `key`."""
+        if not isinstance(self._sock, ssl.SSLSocket):
+            raise TransferError("only a TLS connection is sealed")
+        try:
+            raw = self._sock.unwrap()
+            self._sock = SealedSocket(raw, key, donor)  # type: ignore[assignment]
+        except (ssl.SSLError, OSError, SealError) as exc:
+            raise TransferError(f"the peer ended the transfer's TLS badly: {exc}") from None
+
     def send(self, kind: FrameKind, message: Message, tensors: Sequence[torch.Tensor] = ()) -> None:
         payload = message.SerializeToString()
         cpu = [t.detach().to("cpu").contiguous() for t in tensors]
@@ -101,7 +115,7 @@ class Stream:
             self._sock.sendall(HEADER.pack(MAGIC, kind, len(payload), total) + payload)
             for t in cpu:
                 self._sock.sendall(as_bytes(t))
-        except OSError as exc:
+        except (OSError, SealError) as exc:
             raise TransferError(f"sending a {kind.name} frame failed: {exc}") from None
         self.sent_bytes += HEADER.size + len(payload) + total
 
@@ -152,7 +166,7 @@ class Stream:
         while done < len(view):
             try:
                 got = self._sock.recv_into(view[done:])
-            except OSError as exc:
+            except (OSError, SealError) as exc:
                 raise TransferError(f"receiving failed: {exc}") from None
             if got == 0:
                 raise TransferError("the peer closed the connection")
@@ -245,7 +259,13 @@ class Listener:
                 continue
             if kind is FrameKind.HELLO and isinstance(hello, pb.TransferHello) \
                     and hmac.compare_digest(hello.token.encode(), token.encode()):
-                return stream, hello
+                if self._tls is None or not hello.stream_key:
+                    return stream, hello
+                try:
+                    stream.seal(hello.stream_key, donor=False)
+                    return stream, hello
+                except TransferError:
+                    pass  # a donor that did not follow the protocol: wait for another
             stream.close()  # a stranger or a stale donor: not ours
         raise TransferError(f"no donor connected within {timeout_s:.0f}s")
 
@@ -254,18 +274,31 @@ class Listener:
 
 
 def connect(address: str, hello: pb.TransferHello, timeout_s: float,
-            tls_sha256: str = "") -> Stream:
+            tls_sha256: str = "", seal: bool = False) -> Stream:
     """The donor's side: connect to the joiner (over TLS to the certificate `tls_sha256`
-    when given) and introduce itself."""
+    when given) and introduce itself; with `seal`, the rest goes in sealed records instead
+    of TLS's (for large states: it costs one more round trip first)."""
     host, _, port = address.rpartition(":")
     try:
         sock = socket.create_connection((host, int(port)), timeout=timeout_s)
     except (OSError, ValueError) as exc:
         raise TransferError(f"cannot reach the joiner at {address}: {exc}") from None
-    if tls_sha256:
-        sock = _pinned(sock, address, tls_sha256)
-    stream = Stream(sock)
-    stream.send(FrameKind.HELLO, hello)
+    if not tls_sha256:
+        stream = Stream(sock)
+        stream.send(FrameKind.HELLO, hello)
+        return stream
+    stream = Stream(_pinned(sock, address, tls_sha256))
+    key = new_key() if seal else b""
+    keyed = pb.TransferHello()
+    keyed.CopyFrom(hello)
+    keyed.stream_key = key
+    try:
+        stream.send(FrameKind.HELLO, keyed)
+        if seal:
+            stream.seal(key, donor=True)
+    except TransferError:
+        stream.close()
+        raise
     return stream
 
 

@@ -31,6 +31,10 @@ ready to the last byte, for `stream-fresh` from the end of the donor's copy
 donor's first action (its copy) to the last byte, everything included;
 `prepare` is the joiner's preparation (0 for the others).
 
+`--link-gbit R`: donor and receivers in two network namespaces of their own joined by a
+veth pair whose donor side is shaped to R Gbit/s (tc tbf): a join between two hosts over a
+link of that speed, each side on its own core (needs root and iproute2).
+
     python bench/scripts/transfer_throughput.py --out bench/results/transfer-throughput
     python bench/scripts/transfer_throughput.py --variants stream,stream-tls --out ...
 """
@@ -39,12 +43,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import struct
 import subprocess
 import sys
 import time
+import uuid
 import zlib
 from pathlib import Path
 from typing import Any
@@ -61,6 +67,8 @@ from recover.trainer.transfer import FrameKind, Listener, connect
 TOKEN = "bench-token"
 VARIANTS = ("stream", "stream-tls", "stream-fresh", "raw", "raw-fresh")
 SIZE = struct.Struct("<Q")
+SUBNET = "10.213.48"
+"""`--link-gbit`: addresses that exist only on the benchmark's veth pair, in its namespaces."""
 EDGE = 4096
 """The receiver checksums the first and last 4 KiB of what it got: a run that moved garbage
 is caught."""
@@ -87,16 +95,17 @@ def crc_of(edges: bytes) -> int:
     return zlib.crc32(edges)
 
 
-def receive(variant: str, nbytes: int, mb: int, layers: int) -> None:
+def receive(variant: str, nbytes: int, mb: int, layers: int, host: str) -> None:
     """Receiver process: announce an address on stdout, take one transfer, print when its last
     byte landed and a crc of its edges."""
     prepared = prepare_s = 0.0
     if variant.startswith("stream"):
-        listener = Listener("127.0.0.1", tls=variant == "stream-tls")
+        listener = Listener(host, tls=variant == "stream-tls")
         own = (own_tensors(build_state(mb, layers, moments=False))
                if variant in ("stream", "stream-tls") else None)
         print(listener.address, listener.tls_sha256, flush=True)
         command = pb.Join(joiner=1, donor=0, token=TOKEN, attempt=1)
+        cpu_before = time.process_time()
         if own is None:
             stream, _ = listener.accept(TOKEN, 120)
             kind, _, tensors = stream.receive()
@@ -115,13 +124,15 @@ def receive(variant: str, nbytes: int, mb: int, layers: int) -> None:
             assert catchup.next() is None
             catchup.close()
         edges = bytes(as_bytes(tensors[0]))[:EDGE] + bytes(as_bytes(tensors[-1]))[-EDGE:]
+        cpu = time.process_time() - cpu_before
     else:
+        cpu = 0.0
         buffer = torch.empty(nbytes, dtype=torch.uint8)
         if variant == "raw":
             buffer.fill_(0)  # touch every page now, outside the timed part
         view = memoryview(buffer.numpy())
-        server = socket.create_server(("127.0.0.1", 0))
-        print(f"127.0.0.1:{server.getsockname()[1]}", flush=True)
+        server = socket.create_server((host, 0))
+        print(f"{host}:{server.getsockname()[1]}", flush=True)
         conn, _ = server.accept()
         header = bytearray(SIZE.size)
         conn.recv_into(header, SIZE.size, socket.MSG_WAITALL)
@@ -139,19 +150,24 @@ def receive(variant: str, nbytes: int, mb: int, layers: int) -> None:
     print(prepared, flush=True)
     print(prepare_s, flush=True)
     print(crc_of(edges), flush=True)
+    print(cpu, flush=True)
 
 
 def send_once(variant: str, state: dict[str, Any], flat: torch.Tensor, mb: int,
-              layers: int) -> tuple[dict[str, float], bool]:
+              layers: int, joiner_netns: str = "") -> tuple[dict[str, float], bool]:
     """One transfer to a fresh receiver: its timings, and whether the receiver's crc matched."""
     nbytes = flat.numel()
-    proc = subprocess.Popen([sys.executable, __file__, "--receiver", variant, "--nbytes", str(nbytes),
-                             "--mb", str(mb), "--layers", str(layers)], stdout=subprocess.PIPE, text=True)
+    where = ["ip", "netns", "exec", joiner_netns] if joiner_netns else []
+    host = f"{SUBNET}.2" if joiner_netns else "127.0.0.1"
+    proc = subprocess.Popen([*where, sys.executable, __file__, "--receiver", variant, "--nbytes",
+                             str(nbytes), "--mb", str(mb), "--layers", str(layers),
+                             "--receiver-host", host], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     address, _, pin = proc.stdout.readline().strip().partition(" ")
     host, _, port = address.rpartition(":")
     timings: dict[str, float] = {}
     started = time.monotonic()
+    cpu_before = time.process_time()
     if variant in ("stream", "stream-tls"):
         snapshot = encode(state)  # the donor's copy
         copied = time.monotonic()
@@ -178,10 +194,14 @@ def send_once(variant: str, state: dict[str, Any], flat: torch.Tensor, mb: int,
     landed = float(proc.stdout.readline())
     prepared = float(proc.stdout.readline())
     prepare_s = float(proc.stdout.readline())
+    donor_cpu = time.process_time() - cpu_before
     crc = int(proc.stdout.readline())
+    joiner_cpu = float(proc.stdout.readline())
     proc.wait(timeout=60)
+    # CPU seconds of both ends (every thread; the joiner's from its first wait for a donor):
+    # what a join costs the two cores it shares here.
     timings = {"wire": landed - (prepared or copied), "join": landed - started,
-               "copy": copied - started, "prepare": prepare_s}
+               "copy": copied - started, "prepare": prepare_s, "cpu": donor_cpu + joiner_cpu}
     whole = as_bytes(flat)
     return timings, crc == crc_of(bytes(whole[:EDGE]) + bytes(whole[-EDGE:]))
 
@@ -194,14 +214,20 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--link-gbit", type=float,
+                        help="between two network namespaces over a veth shaped to this rate")
     parser.add_argument("--receiver", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--nbytes", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--receiver-host", default="127.0.0.1", help=argparse.SUPPRESS)
+    parser.add_argument("--joiner-netns", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.receiver:
-        receive(args.receiver, args.nbytes, args.mb, args.layers)
+        receive(args.receiver, args.nbytes, args.mb, args.layers, args.receiver_host)
         return 0
     if not args.out:
         parser.error("--out is required")
+    if args.link_gbit and not args.joiner_netns:
+        return over_a_link(args.link_gbit)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env_before = environment()
@@ -218,7 +244,7 @@ def main() -> int:
     for rep in range(args.reps):
         order = variants[rep % len(variants):] + variants[:rep % len(variants)]  # rotate the first
         for variant in order:
-            timing, ok = send_once(variant, state, flat, args.mb, args.layers)
+            timing, ok = send_once(variant, state, flat, args.mb, args.layers, args.joiner_netns)
             if not ok:
                 raise SystemExit(f"{variant}: the receiver got different bytes")
             timings[variant].append(timing)
@@ -239,6 +265,7 @@ def main() -> int:
               if v.startswith("stream")}
     prepare_s = {v: statistics.median(t["prepare"] for t in timings[v]) for v in variants
                  if v in ("stream", "stream-tls")}
+    cpu_s = {v: statistics.median(t["cpu"] for t in timings[v]) for v in prepare_s}
     per_rep = ([round(s / r, 3) for s, r in zip(rates("stream", "wire"), rates("raw", "wire"),
                                                  strict=True)]
                if {"stream", "raw"} <= set(variants) else None)
@@ -257,6 +284,7 @@ def main() -> int:
         "join_s_median": {v: round(join_s[v], 4) for v in variants},
         "donor_copy_s_median": {v: round(copy_s[v], 4) for v in copy_s},
         "joiner_prepare_s_median": {v: round(prepare_s[v], 4) for v in prepare_s},
+        "donor_plus_joiner_cpu_s_median": {v: round(cpu_s[v], 4) for v in cpu_s},
         "ratio_stream_vs_raw": stream_vs_raw,
         "ratio_stream_fresh_vs_raw": ratio("stream-fresh", "raw", med),
         "ratio_raw_fresh_vs_raw": ratio("raw-fresh", "raw", med),
@@ -266,6 +294,7 @@ def main() -> int:
         "target_ratio": 0.8,
         "target_met": None if stream_vs_raw is None else stream_vs_raw >= 0.8,
         "tls_target_ratio": 1.2, "tls_target_met": None if tls_join is None else tls_join <= 1.2,
+        "link_gbit": args.link_gbit,
         "environment_before": env_before, "environment": environment(), "finished_at": time.time()}
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     print("\n| variant | wire MB/s median | min | max | donate -> landed, median |\n|---|---|---|---|---|")
@@ -274,8 +303,46 @@ def main() -> int:
               f"{join_s[v] * 1000:.0f} ms |")
     print(f"stream / raw = {stream_vs_raw} (per rep {per_rep}); whole join stream / "
           f"stream-fresh = {result['join_ratio_stream_vs_stream_fresh']}; tls / stream join = "
-          f"{tls_join} (per rep {tls_per_rep}); the joiner's preparation {prepare_s} s (median)")
+          f"{tls_join} (per rep {tls_per_rep}); the joiner's preparation {prepare_s} s, CPU of "
+          f"both ends {cpu_s} s (medians)")
     return 0
+
+
+def over_a_link(gbit: float) -> int:
+    """Run this benchmark again as the donor in a namespace of its own, the receivers in
+    another, over a veth pair shaped to `gbit` on the donor's side; then remove both."""
+    tag = uuid.uuid4().hex[:6]
+    donor_ns, joiner_ns, donor_if, joiner_if = (f"rb-d-{tag}", f"rb-j-{tag}", f"vd{tag}",
+                                                f"vj{tag}")
+
+    def ip(*argv: str) -> None:
+        subprocess.run(["ip", *argv], check=True, capture_output=True, timeout=10)
+
+    try:
+        ip("netns", "add", donor_ns)
+        ip("netns", "add", joiner_ns)
+        ip("link", "add", donor_if, "netns", donor_ns, "type", "veth", "peer", "name", joiner_if,
+           "netns", joiner_ns)
+        for ns, ifname, host in ((donor_ns, donor_if, 1), (joiner_ns, joiner_if, 2)):
+            ip("-n", ns, "addr", "add", f"{SUBNET}.{host}/24", "dev", ifname)
+            ip("-n", ns, "link", "set", ifname, "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+        # A bucket of 10 ms at the rate: a shaper that still passes a whole TSO burst.
+        burst = max(int(gbit * 1e9 / 8 * 0.01), 1 << 20)
+        subprocess.run(["tc", "-n", donor_ns, "qdisc", "add", "dev", donor_if, "root", "tbf",
+                        "rate", f"{gbit}gbit", "burst", str(burst), "latency", "50ms"],
+                       check=True, capture_output=True, timeout=10)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", b"") or b""
+        raise SystemExit(f"--link-gbit needs network namespaces (root, iproute2): {exc} "
+                         f"{detail.decode(errors='replace').strip()}") from None
+    try:
+        argv = [a for a in sys.argv[1:]]
+        return subprocess.run(["ip", "netns", "exec", donor_ns, sys.executable, __file__, *argv,
+                               "--joiner-netns", joiner_ns], env=os.environ).returncode
+    finally:
+        for ns in (donor_ns, joiner_ns):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
 
 
 if __name__ == "__main__":

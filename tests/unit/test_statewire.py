@@ -160,10 +160,13 @@ class Tap:
             pass
 
 
-def test_over_tls_a_donor_streams_encrypted_and_only_to_the_certificate_reported() -> None:
+@pytest.mark.parametrize("seal", [False, True], ids=["tls-records", "sealed-records"])
+def test_over_tls_a_donor_streams_encrypted_and_only_to_the_certificate_reported(seal: bool
+                                                                                 ) -> None:
     """Issue 22: with a control plane on TLS, the joiner's listener presents a certificate
     made for it and the donor pins the digest the controller handed it. On the wire: neither
-    the token nor the state's bytes in the clear."""
+    the token nor the state's bytes in the clear, whether the bytes go in TLS's records or
+    (a large state) in records sealed with the key the hello carried."""
     listener = Listener("127.0.0.1", tls=True)
     assert len(listener.tls_sha256) == 64
     # A plaintext stranger who even knows the token gets nowhere (no TLS handshake).
@@ -175,7 +178,7 @@ def test_over_tls_a_donor_streams_encrypted_and_only_to_the_certificate_reported
 
     def donate() -> None:
         stream = connect(tap.address, pb.TransferHello(token="s3cret", donor=2, joiner=1), 5.0,
-                         tls_sha256=listener.tls_sha256)
+                         tls_sha256=listener.tls_sha256, seal=seal)
         stream.send(FrameKind.STEP, pb.CatchUpStep(step=3, tensors=[
             pb.TensorMeta(dtype="float32", shape=[1024], nbytes=4096)]), [secret])
         sent.append(stream)
@@ -183,12 +186,13 @@ def test_over_tls_a_donor_streams_encrypted_and_only_to_the_certificate_reported
     donor = threading.Thread(target=donate)
     donor.start()
     stream, hello = listener.accept("s3cret", 10.0)
-    assert hello.donor == 2
+    assert hello.donor == 2 and len(hello.stream_key) == (16 if seal else 0)
     kind, message, tensors = stream.receive()
     assert kind is FrameKind.STEP and message.step == 3 and torch.equal(tensors[0], secret)
     donor.join(10)
     assert b"s3cret" not in tap.seen and as_bytes(secret).tobytes()[:64] not in tap.seen
     assert len(tap.seen) > 4096  # the bytes did cross the tap, encrypted
+    assert not seal or hello.stream_key not in tap.seen  # the key went inside TLS
     stream.close()
     sent[0].close()
     stranger.close()
@@ -208,7 +212,8 @@ def test_over_tls_a_donor_streams_encrypted_and_only_to_the_certificate_reported
     listener.close()
 
 
-def test_over_tls_a_donor_that_closes_at_once_loses_none_of_its_bytes() -> None:
+@pytest.mark.parametrize("seal", [False, True], ids=["tls-records", "sealed-records"])
+def test_over_tls_a_donor_that_closes_at_once_loses_none_of_its_bytes(seal: bool) -> None:
     """The donor closes right after its last frame; the joiner reads it all afterwards. (A
     TLS server's session tickets, unread in the donor's socket, would turn that close into
     a reset that discards the bytes still on their way.)"""
@@ -218,7 +223,7 @@ def test_over_tls_a_donor_that_closes_at_once_loses_none_of_its_bytes() -> None:
     joiner = threading.Thread(target=lambda: accepted.append(listener.accept("s3cret", 30.0)[0]))
     joiner.start()
     donor = connect(listener.address, pb.TransferHello(token="s3cret", donor=2, joiner=1), 30.0,
-                    tls_sha256=listener.tls_sha256)
+                    tls_sha256=listener.tls_sha256, seal=seal)
     joiner.join(30)
     sending = threading.Thread(target=lambda: (donor.send(FrameKind.STEP, pb.CatchUpStep(
         step=1, tensors=[pb.TensorMeta(dtype="float32", shape=[2 << 20], nbytes=8 << 20)]),
