@@ -66,7 +66,8 @@ class AgentConfig:
     agent_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
     """Unique name of this agent in the job."""
     heartbeat_s: float = 0.5
-    """Heartbeat period; the controller declares an agent lost after a few missed ones."""
+    """Longest the leader goes without a message from this agent (a heartbeat when nothing
+    else was sent); the controller declares an agent lost after a few periods of silence."""
     connect_timeout_s: float = 10.0
     """How long to wait for the controller to answer at start."""
     leader_timeout_s: float = 2.0
@@ -106,10 +107,18 @@ class AgentConfig:
         return [a.strip() for a in self.controller.split(",") if a.strip()]
 
 
+def beat_in(last_sent: float, now: float, period: float) -> float:
+    """Seconds until a heartbeat is due, the last message having gone at `last_sent`
+    (<= 0: now). Never more than `period`, whatever the clocks say."""
+    return min(last_sent + period - now, period)
+
+
 class Agent:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
         self._upstream: asyncio.Queue[pb.AgentMessage | None] = asyncio.Queue()
+        self._sent_up_at = 0.0
+        """When we last sent the leader anything (monotonic): any message shows we live."""
         self.workers: dict[int, WorkerProcess] = {}
         self._members: set[int] = set()
         self.generation = 0
@@ -143,7 +152,7 @@ class Agent:
         elif kind == "ready":
             self._ready[report.replica] = report
         self.reports_relayed += 1
-        self._upstream.put_nowait(pb.AgentMessage(report=report))
+        self._send_up(pb.AgentMessage(report=report))
 
     def _serve_metrics(self) -> None:
         registry = CollectorRegistry()
@@ -184,7 +193,7 @@ class Agent:
             # the swap above, so nothing relayed meanwhile is missing.
             replays = self._applied if self.generation else self._ready
             for replica in sorted(replays):
-                self._upstream.put_nowait(pb.AgentMessage(report=replays[replica]))
+                self._send_up(pb.AgentMessage(report=replays[replica]))
         return session
 
     async def run(self) -> int:
@@ -336,7 +345,7 @@ class Agent:
             self.workers.pop(replica, None)
             log.error("cannot run the worker command %r: %s", command[0], exc.strerror,
                       extra={"replica": replica})
-            self._upstream.put_nowait(pb.AgentMessage(worker_exited=pb.WorkerExited(
+            self._send_up(pb.AgentMessage(worker_exited=pb.WorkerExited(
                 replica=replica, exit_code=127, observed_at=time.time(),
                 output_tail=f"cannot run the worker command {command[0]!r}: {exc.strerror}")))
             return
@@ -390,7 +399,7 @@ class Agent:
                 report.fault.CopyFrom(cause.fault)
             if cause.error is not None:
                 report.error.CopyFrom(cause.error)
-        self._upstream.put_nowait(pb.AgentMessage(worker_exited=report))
+        self._send_up(pb.AgentMessage(worker_exited=report))
         log.warning("worker exited (code %d, signal %d)", report.exit_code, report.signal,
                     extra={"replica": worker.replica})
         now, window = time.monotonic(), self.config.restart_window_s
@@ -405,11 +414,21 @@ class Agent:
             await self._request_replica(worker.slot, f"replica {worker.replica} exited",
                                         decision.delay_s)
 
+    def _send_up(self, message: pb.AgentMessage) -> None:
+        self._upstream.put_nowait(message)
+        self._sent_up_at = time.monotonic()
+
     async def _heartbeat(self) -> None:
+        """Beat when nothing else went to the leader for a heartbeat period: a training job's
+        reports show the same, and at thousands of agents every message costs the leader."""
+        period = self.config.heartbeat_s
         while True:
-            self._upstream.put_nowait(pb.AgentMessage(heartbeat=pb.Heartbeat(sent_at=time.time())))
-            self.heartbeats_sent += 1
-            await asyncio.sleep(self.config.heartbeat_s)
+            wait = beat_in(self._sent_up_at, time.monotonic(), period)
+            if wait <= 0:
+                self._send_up(pb.AgentMessage(heartbeat=pb.Heartbeat(sent_at=time.time())))
+                self.heartbeats_sent += 1
+                wait = period
+            await asyncio.sleep(wait)
 
     def _handle(self, message: pb.ControllerMessage) -> bool:
         """Forward one controller message to the workers; True when the job is over."""
@@ -473,7 +492,7 @@ class Agent:
     async def _request_replica(self, slot: int, reason: str, delay_s: float) -> None:
         await asyncio.sleep(delay_s)
         if self._shutdown is None:
-            self._upstream.put_nowait(pb.AgentMessage(replica_request=pb.ReplicaRequest(
+            self._send_up(pb.AgentMessage(replica_request=pb.ReplicaRequest(
                 slot=slot, reason=reason)))
 
     def _forward(self, command: pb.WorkerCommand, replicas: Iterable[int] | None = None) -> None:

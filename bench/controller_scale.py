@@ -221,6 +221,9 @@ def measure(n: int, config: ScaleConfig, progress: Callable[[str], None]) -> dic
         "agents_alive_after_death": status.agents, "heartbeats": sum(o["heartbeats"]
                                                                       for o in outputs),
         "session_errors": len(errors), "first_errors": errors[:3],
+        # Sessions that failed before registering and were retried (as agents do).
+        "sessions_retried": sum(len(o.get("retries", [])) for o in outputs),
+        "retry_reasons": sorted({r for o in outputs for r in o.get("retries", [])}),
     }
     progress(f"N={n}: up in {all_up_s:.1f}s, controller CPU {cpu_frac * 100:.1f}% of a core, "
              f"Status p99 {result['status_rtt_p99_s']}s, death -> last plan "

@@ -13,7 +13,8 @@ Control over stdin/stdout, one line each way:
 * stdin `kill` closes the stream of the process's first agent (its death);
 * stdin `stop` (or EOF) ends every session and prints one JSON line:
   register round trips, the receipt time of every generation per agent,
-  the kill time, heartbeats sent and per-agent errors.
+  the kill time, heartbeats sent, per-agent errors, and the sessions that failed
+  before registering (each retried after a backoff, as a real agent would).
 """
 
 from __future__ import annotations
@@ -43,8 +44,13 @@ class SimAgent:
     """Generation number -> Unix time this agent received it."""
     heartbeats: int = 0
     error: str | None = None
+    retries: list[str] = field(default_factory=list)
+    """Sessions that failed before registering (why each), each followed by a new one after
+    a backoff, as a real agent's (agent/link.py) would be."""
     up: asyncio.Event = field(default_factory=asyncio.Event)
     closing: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    """Its last session is over (it will not retry)."""
 
 
 async def _requests(agent: SimAgent, outbox: asyncio.Queue[pb.AgentMessage | None]
@@ -63,7 +69,26 @@ async def _heartbeats(agent: SimAgent, outbox: asyncio.Queue[pb.AgentMessage | N
         await asyncio.sleep(period_s)
 
 
+MAX_RETRIES = 20
+RETRY_BACKOFF_S = 0.5
+
+
 async def run_agent(agent: SimAgent, address: str, period_s: float) -> None:
+    """Sessions until one registers (at most MAX_RETRIES more), then that one to its end."""
+    try:
+        for attempt in range(MAX_RETRIES + 1):
+            await _session(agent, address, period_s)
+            if agent.register_rtt_s is not None or agent.error is None or attempt == MAX_RETRIES:
+                return
+            agent.retries.append(agent.error)
+            agent.error = None
+            agent.closing.clear()
+            await asyncio.sleep(RETRY_BACKOFF_S * (1 + attempt) * random.uniform(0.5, 1.5))
+    finally:
+        agent.ended.set()
+
+
+async def _session(agent: SimAgent, address: str, period_s: float) -> None:
     options = [("grpc.use_local_subchannel_pool", 1)]  # a connection of its own
     async with grpc.aio.insecure_channel(address, options=options) as channel:
         outbox: asyncio.Queue[pb.AgentMessage | None] = asyncio.Queue()
@@ -110,7 +135,7 @@ async def main_async(address: str, first: int, count: int, period_s: float) -> d
         # (refused, or its connection failed) makes the line say why instead of hanging.
         async def settled(agent: SimAgent) -> None:
             await asyncio.wait([asyncio.create_task(agent.up.wait()),
-                                asyncio.create_task(agent.closing.wait())],
+                                asyncio.create_task(agent.ended.wait())],
                                return_when=asyncio.FIRST_COMPLETED)
         await asyncio.gather(*(settled(a) for a in agents))
         failed = [a for a in agents if not a.up.is_set()]
@@ -134,7 +159,8 @@ async def main_async(address: str, first: int, count: int, period_s: float) -> d
             "generations": [{str(g): t for g, t in a.generations.items()} for a in agents],
             "replicas": [a.replica for a in agents],
             "heartbeats": sum(a.heartbeats for a in agents),
-            "errors": [a.error for a in agents if a.error]}
+            "errors": [a.error for a in agents if a.error],
+            "retries": [why for a in agents for why in a.retries]}
 
 
 def main() -> int:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 
 import grpc
 
@@ -25,12 +26,21 @@ log = logging.getLogger("recover.controller")
 REJECTED_EVENTS_FIRST = 20
 REJECTED_EVENTS_EVERY = 1000
 
+BEAT_EVERY_S = 0.5
+"""Longest an agent goes without a message from its leader: a quarter of the agents' default
+leader timeout (2 s), so three beats may be late or lost before one looks elsewhere."""
 KEEPALIVE_SERVER_OPTIONS = [
     # Agents ping every second to notice a stopped leader; let them.
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 500),
     ("grpc.http2.max_ping_strikes", 0),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
+
+
+def due_for_beat(agents: Iterable[str], last_sent: Mapping[str, float], now: float,
+                 every_s: float) -> list[str]:
+    """The agents that heard nothing from us for `every_s` (never: due)."""
+    return [a for a in agents if now - last_sent.get(a, -math.inf) >= every_s]
 
 
 class AgentSessions(rpc.AgentSessionServicer):
@@ -55,6 +65,8 @@ class AgentSessions(rpc.AgentSessionServicer):
 
         self._coordinator: Coordinator | None = None
         self._queues: dict[str, asyncio.Queue[pb.ControllerMessage | None]] = {}
+        self._last_sent: dict[str, float] = {}
+        """Agent -> when we last sent it anything (monotonic): any message shows we lead."""
 
     @property
     def coordinator(self) -> Coordinator | None:
@@ -70,11 +82,14 @@ class AgentSessions(rpc.AgentSessionServicer):
         for queue in self._queues.values():
             queue.put_nowait(None)
         self._queues.clear()
+        self._last_sent.clear()
 
-    def beat(self) -> None:
-        """Tell every agent we still lead (they look for a new leader when this stops)."""
+    def beat(self, every_s: float = BEAT_EVERY_S) -> None:
+        """Tell every agent that heard nothing from us for `every_s` that we still lead (they
+        look for a new leader after their leader timeout of silence). An agent fed commits
+        and plans needs no beat: any message shows the same."""
         beat = pb.ControllerMessage(heartbeat=pb.Heartbeat(sent_at=time.time()))
-        for agent_id in list(self._queues):
+        for agent_id in due_for_beat(self._queues, self._last_sent, time.monotonic(), every_s):
             self.send(agent_id, beat)
 
     def send(self, agent_id: str, message: pb.ControllerMessage) -> None:
@@ -89,6 +104,7 @@ class AgentSessions(rpc.AgentSessionServicer):
         queue = self._queues.get(agent_id)
         if queue is not None:
             queue.put_nowait(message)
+            self._last_sent[agent_id] = time.monotonic()
 
     async def _leader_hint(self) -> str:
         election = self.election
@@ -174,6 +190,7 @@ class AgentSessions(rpc.AgentSessionServicer):
             if agent_id is not None and coordinator is self._coordinator:
                 if self._queues.get(agent_id) is queue:
                     del self._queues[agent_id]
+                    self._last_sent.pop(agent_id, None)
                 async with self.lock:
                     try:
                         await coordinator.agent_lost(agent_id, "session closed")
