@@ -128,7 +128,8 @@ def check_determinism(workload: Workload, grads: GradientBuckets, step: int = 0,
             raise contract_error(
                 f"determinism check failed: microbatch {microbatch} of step {step} updated the "
                 f"model's buffers differently when computed twice; likely causes: "
-                f"{LIKELY_CAUSES}", where="determinism check", step=step, microbatch=microbatch)
+                f"{workload.determinism_hint}{LIKELY_CAUSES}", where="determinism check",
+                step=step, microbatch=microbatch)
     return DeterminismCheck(step, microbatch, tensor_digest(
         (f"bucket{i}", g) for i, g in enumerate(first)))
 

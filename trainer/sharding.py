@@ -41,13 +41,16 @@ def prepare(workload: Workload, lockstep: Lockstep, exact: bool) -> None:
     if len(plain) == len(trainable) and workload.forward_backward is not None:
         # A pipeline stage: its parameters are its own, reduced across replicas with the
         # same stage of the others; the schedule moves the whole microbatch through the
-        # stages, and only the last one has a loss to report (the others return 0).
-        if workload.model_buffers is not None:
-            raise contract_error("this pipeline stage has buffers (BatchNorm statistics, ...) "
-                                 "and buffers='reduce' is not supported for pipeline stages "
-                                 "yet: pass buffers='local' to train() (each stage keeps its "
-                                 "own, outside the guarantee)", where="train")
+        # stages, and only the last one has a loss to report (the others return 0). Its
+        # buffers are its own too: each microbatch's update (all its chunks, as the schedule
+        # ran them) is captured after the schedule and reduced with the stage's gradients.
         lockstep.losses_add_up = True
+        if workload.model_buffers is not None:
+            workload.determinism_hint = (
+                "a PipelineStage built without its shapes (input_args, output_args, "
+                "input_grads, output_grads) infers them with an extra forward on its first "
+                "step, which moves BatchNorm statistics (examples/batchnorm.py --pipeline "
+                "gives them); ")
     elif plain:
         raise contract_error(f"the job has {ranks.size} ranks per replica but the model's "
                              f"parameter {plain[0]!r} (and {len(plain) - 1} more) is not "

@@ -118,6 +118,9 @@ class Workload:
     (as planned so far), so the shards are reduce-scattered once per step (sharding.py)."""
     loss_scaler: LossScaler | None = None
     """Dynamic loss scaling (float16 autocast; lossscale.py); None: the loss as it is."""
+    determinism_hint: str = ""
+    """A likely cause of a failed determinism check that only this setup has (a pipeline
+    stage with buffers: sharding.py), added to the check's message."""
     params: list[torch.nn.Parameter] = field(init=False)
     model_buffers: ModelBuffers | None = field(init=False)
     """The buffers reduced with each step; None when there are none (or "local")."""

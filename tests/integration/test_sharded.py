@@ -188,6 +188,39 @@ def test_hsdp_batchnorm_buffers_stay_bitwise_through_a_rank_lost_and_a_rejoin(
     assert not torch.equal(want["1.running_mean"], torch.zeros_like(want["1.running_mean"]))
 
 
+def test_pipeline_batchnorm_buffers_stay_bitwise_through_a_stage_lost(tmp_path: Path) -> None:
+    """examples/batchnorm.py as two pipeline stages per replica, each with a BatchNorm of its
+    own: each microbatch's update of a stage's statistics (both pipeline chunks of it) is
+    reduced with the same stage of the other replica. A stage killed in backward loses its
+    replica; the survivor recomputes its microbatches and every stage's buffers, step by
+    step, are the failure-free run's, bitwise. (Why a test of its own: the pipeline test
+    above also compares with one process per replica, which BatchNorm over chunks breaks.)"""
+    layout = ["--replicas", "2", "--ranks-per-replica", "2", "--steps", "6", "-M", "4",
+              "--seed", "5", "--reduce", "exact", "--quiet", *NO_RESTARTS]
+    script = str(REPO / "examples" / "batchnorm.py")
+
+    def run(name: str, *extra: str):
+        result = run_recover(tmp_path / name, *layout, *extra, "--", "python", script,
+                             "--pipeline", "--eval-out", str(tmp_path / f"{name}.jsonl"),
+                             timeout=240)
+        assert result.returncode == 0, result.stderr
+        return result
+
+    reference = run("reference")
+    killed = run("killed", "--kill", "step=2,replica=1,phase=backward,rank=1")
+    assert_bitwise_identical(killed.summary, reference.summary)  # buffers in the digests
+    assert [(f["replica"], f["phase"]) for f in killed.summary["failures"]] == [(1, "backward")]
+    evals = {name: sorted((json.loads(line) for line in (tmp_path / f"{name}.jsonl")
+                           .read_text().splitlines()), key=lambda e: (e["step"], e["rank"]))
+             for name in ("reference", "killed")}
+    assert evals["killed"] == evals["reference"] and len(evals["reference"]) == 2 * 6
+    for rank in (0, 1):  # each stage's statistics move every step, and are its own
+        digests = [e["buffers_sha256"] for e in evals["reference"] if e["rank"] == rank]
+        assert len(set(digests)) == 6
+    assert {e["buffers_sha256"] for e in evals["reference"] if e["rank"] == 0}.isdisjoint(
+        e["buffers_sha256"] for e in evals["reference"] if e["rank"] == 1)
+
+
 def test_pipeline_exact_is_bitwise_through_a_stage_lost_and_matches_one_process(
         tmp_path: Path) -> None:
     """Two pipeline stages per replica (GPipe over the replica's group): a stage killed as
