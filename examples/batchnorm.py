@@ -53,7 +53,7 @@ if job.reduce == "exact" and job.device.type == "cuda":
 torch.manual_seed(job.seed)  # every replica builds the same model and data
 
 # 8x8 one-channel images of 4 classes: which quadrant holds a bright blob, plus noise.
-CLASSES, SIZE = 4, 8
+CLASSES, SIZE, MICROBATCH = 4, 8, 16
 
 
 def images(count: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +80,7 @@ if job.replica_size > 1 and args.pipeline:  # each rank keeps its stage of the l
     # The stage's input and output shapes given up front: left to infer them, the stage
     # runs an extra forward on its first step, which moves the BatchNorm statistics (the
     # determinism check then stops the job). Found in eval mode, which leaves them alone.
-    example = torch.zeros(16 // args.chunks, 1, SIZE, SIZE, device=job.device)
+    example = torch.zeros(MICROBATCH // args.chunks, 1, SIZE, SIZE, device=job.device)
     with torch.no_grad():
         for layer in layers[:bounds[rank]]:
             example = layer.to(job.device).eval()(example)
@@ -157,7 +157,7 @@ def evaluate(info: rt.StepInfo) -> None:
 
 pieces = {"forward_backward": forward_backward} if schedule is not None else {"loss_fn": loss_fn}
 result = rt.train(job, model, optimizer,
-                  microbatches=rt.DatasetMicrobatches(train_set, microbatch_size=16),
+                  microbatches=rt.DatasetMicrobatches(train_set, microbatch_size=MICROBATCH),
                   on_step_committed=evaluate, buffers=args.buffers, **pieces)
 if args.save and result.success and result.is_first_replica:  # exactly one replica saves
     # Sharded: every rank of the replica gathers (a collective), rank 0 writes.
