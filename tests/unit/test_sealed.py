@@ -10,6 +10,7 @@ import socket
 import threading
 
 import pytest
+import torch
 
 from recover.trainer.sealed import RECORD_BYTES, TAG_BYTES, SealedSocket, SealError, new_key
 
@@ -148,3 +149,33 @@ def test_a_key_of_the_wrong_size_is_refused() -> None:
 def test_the_peer_closing_between_records_reads_as_the_end() -> None:
     joiner = _joiner_reading(b"")
     assert joiner.recv_into(bytearray(10)) == 0
+
+
+@pytest.mark.parametrize("megabytes,sealed", [(1, False), (17, True)])
+def test_a_donor_seals_a_large_state_and_keeps_tls_records_for_a_small_one(
+        megabytes: int, sealed: bool) -> None:
+    """Donation decides by the snapshot's size (joining.SEAL_FROM_BYTES = 16 MiB): the
+    joiner sees the key in the hello only for the large one, and gets the state either way."""
+    from recover.proto import pb
+    from recover.trainer.joining import SEAL_FROM_BYTES, Donation
+    from recover.trainer.statewire import encode
+    from recover.trainer.transfer import FrameKind, Listener
+
+    assert (megabytes << 20 >= SEAL_FROM_BYTES) is sealed
+    state = {"w": torch.arange(megabytes << 18, dtype=torch.float32)}  # 4 bytes each
+    listener = Listener("127.0.0.1", tls=True)
+    donation = Donation(pb.Donate(donor=0, joiner=1, address=listener.address, token="t",
+                                  tls_sha256=listener.tls_sha256), 0, encode(state), 0)
+    donation.finish_before(0)  # no step to catch up: the snapshot, then the end
+    stream, hello = listener.accept("t", 30.0)
+    assert len(hello.stream_key) == (16 if sealed else 0)
+    kinds, received = [], None
+    while not kinds or kinds[-1] is not FrameKind.END:
+        kind, _, tensors = stream.receive()
+        kinds.append(kind)
+        received = tensors if kind is FrameKind.SNAPSHOT else received
+    assert kinds == [FrameKind.PREVIEW, FrameKind.SNAPSHOT, FrameKind.END]
+    assert received is not None and torch.equal(received[0], state["w"])
+    assert donation.done.wait(30) and not donation.failed
+    stream.close()
+    listener.close()
