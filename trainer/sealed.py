@@ -25,8 +25,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
-
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from typing import Any
 
 KEY_BYTES = 16
 """AES-128: TLS 1.3's mandatory suite's cipher; fresh per connection."""
@@ -53,8 +52,13 @@ class SealedSocket:
     def __init__(self, sock: socket.socket, key: bytes, donor: bool) -> None:
         if len(key) != KEY_BYTES:
             raise SealError(f"a stream key is {KEY_BYTES} bytes, not {len(key)}")
+        # Imported here, not with the module: it costs every worker ~55 ms of start (a
+        # restart's critical path), and most never seal anything.
+        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
         self._sock = sock
-        self._algorithm = algorithms.AES(key)
+        self._aes = algorithms.AES(key)
+        self._cipher, self._gcm = Cipher, modes.GCM
         self._send_label, self._receive_label = ((_DONOR_TO_JOINER, _JOINER_TO_DONOR) if donor
                                                  else (_JOINER_TO_DONOR, _DONOR_TO_JOINER))
         self._sent = self._received = 0
@@ -96,8 +100,7 @@ class SealedSocket:
             chunk = view[start:start + RECORD_BYTES]
             n = len(chunk)
             _LENGTH.pack_into(out, 0, n)
-            encryptor = Cipher(self._algorithm, modes.GCM(self._nonce(self._send_label,
-                                                                      self._sent))).encryptor()
+            encryptor = self._gcm_cipher(self._nonce(self._send_label, self._sent)).encryptor()
             encryptor.authenticate_additional_data(out[:_LENGTH.size])
             encryptor.update_into(chunk, out[_LENGTH.size:_LENGTH.size + n])
             encryptor.finalize()
@@ -135,8 +138,8 @@ class SealedSocket:
                                           RECORD_BYTES + TAG_BYTES))
         scratch = memoryview(self._scratch)[:n + TAG_BYTES]
         self._read_exactly(scratch)
-        decryptor = Cipher(self._algorithm, modes.GCM(
-            self._nonce(self._receive_label, self._received), bytes(scratch[n:]))).decryptor()
+        decryptor = self._gcm_cipher(self._nonce(self._receive_label, self._received),
+                                     bytes(scratch[n:])).decryptor()
         decryptor.authenticate_additional_data(header)
         decryptor.update_into(scratch[:n], target)
         try:
@@ -156,6 +159,9 @@ class SealedSocket:
                 raise SealError("the peer closed the connection inside a sealed record")
             done += got
         return True
+
+    def _gcm_cipher(self, nonce: bytes, tag: bytes | None = None) -> Any:
+        return self._cipher(self._aes, self._gcm(nonce, tag))
 
     @staticmethod
     def _nonce(label: bytes, count: int) -> bytes:
