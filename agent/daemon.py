@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from recover.agent import fencing
 from recover.agent.attached import AttachedProcess, write_attach_file
+from recover.agent.beats import beat_when_silent
 from recover.agent.link import LinkError, Session, close_session, open_session
 from recover.agent.local import WorkerChannelService
 from recover.agent.metrics import AgentCollector
@@ -105,12 +106,6 @@ class AgentConfig:
     @property
     def controllers(self) -> list[str]:
         return [a.strip() for a in self.controller.split(",") if a.strip()]
-
-
-def beat_in(last_sent: float, now: float, period: float) -> float:
-    """Seconds until a heartbeat is due, the last message having gone at `last_sent`
-    (<= 0: now). Never more than `period`, whatever the clocks say."""
-    return min(last_sent + period - now, period)
 
 
 class Agent:
@@ -216,7 +211,8 @@ class Agent:
                 await self._decide_warm()
                 # Heartbeats first: the first spawn may wait seconds for the warm
                 # interpreter's imports on a busy host.
-                self._tasks += [asyncio.create_task(self._heartbeat()),
+                beats = beat_when_silent(cfg.heartbeat_s, lambda: self._sent_up_at, self._beat)
+                self._tasks += [asyncio.create_task(beats),
                                 asyncio.create_task(watch_for_hangs(self.workers, registered.job))]
                 ranks = max(registered.job.ranks_per_replica, 1)
                 # Started in the background: the first start may wait seconds for the warm
@@ -418,17 +414,9 @@ class Agent:
         self._upstream.put_nowait(message)
         self._sent_up_at = time.monotonic()
 
-    async def _heartbeat(self) -> None:
-        """Beat when nothing else went to the leader for a heartbeat period: a training job's
-        reports show the same, and at thousands of agents every message costs the leader."""
-        period = self.config.heartbeat_s
-        while True:
-            wait = beat_in(self._sent_up_at, time.monotonic(), period)
-            if wait <= 0:
-                self._send_up(pb.AgentMessage(heartbeat=pb.Heartbeat(sent_at=time.time())))
-                self.heartbeats_sent += 1
-                wait = period
-            await asyncio.sleep(wait)
+    def _beat(self) -> None:
+        self._send_up(pb.AgentMessage(heartbeat=pb.Heartbeat(sent_at=time.time())))
+        self.heartbeats_sent += 1
 
     def _handle(self, message: pb.ControllerMessage) -> bool:
         """Forward one controller message to the workers; True when the job is over."""

@@ -337,8 +337,8 @@ def over_a_link(gbit: float) -> int:
         raise SystemExit(f"--link-gbit needs network namespaces (root, iproute2): {exc} "
                          f"{detail.decode(errors='replace').strip()}") from None
     try:
-        argv = [a for a in sys.argv[1:]]
-        return subprocess.run(["ip", "netns", "exec", donor_ns, sys.executable, __file__, *argv,
+        return subprocess.run(["ip", "netns", "exec", donor_ns, sys.executable, __file__,
+                               *sys.argv[1:],
                                "--joiner-netns", joiner_ns], env=os.environ).returncode
     finally:
         for ns in (donor_ns, joiner_ns):

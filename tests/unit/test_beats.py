@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from recover.agent.daemon import beat_in
+from recover.agent.beats import beat_in
 from recover.controller.service import BEAT_EVERY_S, AgentSessions, due_for_beat
 from recover.proto import pb
 
