@@ -12,8 +12,9 @@ alternating, `--reps` rounds:
 - `sealed`: TLS for the handshake and the keyed hello, then AES-GCM records
   (`seal=True`: what a state of at least `joining.SEAL_FROM_BYTES` uses).
 
-Reported per way: the receive's wall time (first byte asked to last byte in) and the CPU
-seconds of each end for the frame (connect excluded), medians over rounds.
+Reported per way: the receive's wall time (first byte asked to last byte in), the CPU
+seconds of each end for the frame (connect excluded), and the donor's `connect` (TCP, the
+TLS handshake, the hello and, sealed, TLS's close both ways), medians over rounds.
 
     python bench/scripts/transfer_sealing.py --reps 15 --out bench/results/transfer-sealing
 """
@@ -42,17 +43,21 @@ def once(way: str, tensors: list[torch.Tensor]) -> dict[str, float]:
     listener = Listener("127.0.0.1", tls=way != "plain")
     pin = listener.tls_sha256
     read_end, write_end = os.pipe()
+    go_read, go_write = os.pipe()  # the donor connects once the joiner is ready to accept
     pid = os.fork()
     if pid == 0:  # the donor
         code = 1
         try:
             listener.close()
+            os.read(go_read, 1)
+            began = time.perf_counter()
             stream = connect(listener.address, pb.TransferHello(token="bench", donor=0, joiner=1),
                              30, tls_sha256=pin, seal=way == "sealed")
+            connected = time.perf_counter() - began
             before = time.process_time()
             stream.send(FrameKind.STEP, pb.CatchUpStep(step=1, tensors=tensor_metas(tensors)),
                         tensors)
-            os.write(write_end, f"{time.process_time() - before}".encode())
+            os.write(write_end, f"{time.process_time() - before} {connected}".encode())
             stream.close()
             code = 0
         finally:
@@ -61,18 +66,20 @@ def once(way: str, tensors: list[torch.Tensor]) -> dict[str, float]:
     # Touched now, after the fork (memory shared with the donor would fault on every write):
     # the joiner's prepared memory.
     into = [torch.zeros_like(t) for t in tensors]
+    os.write(go_write, b"g")
     stream, _ = listener.accept("bench", 30)
     cpu, wall = time.process_time(), time.perf_counter()
     kind, _, got = stream.receive(into=lambda _: into)
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     stream.close()
     listener.close()
-    donor_cpu = float(os.read(read_end, 64) or "nan")
-    os.close(read_end)
+    donor_cpu, connect_s = (float(x) for x in (os.read(read_end, 128) or b"nan nan").split())
+    for end in (read_end, go_read, go_write):
+        os.close(end)
     _, status = os.waitpid(pid, 0)
     if kind is not FrameKind.STEP or status != 0 or not torch.equal(got[-1], tensors[-1]):
         raise SystemExit(f"{way}: the transfer failed or moved other bytes")
-    return {"wall": wall, "joiner_cpu": cpu, "donor_cpu": donor_cpu}
+    return {"wall": wall, "joiner_cpu": cpu, "donor_cpu": donor_cpu, "connect": connect_s}
 
 
 def main() -> int:
@@ -109,11 +116,12 @@ def main() -> int:
         "finished_at": time.time()}
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"\n{nbytes / 1e6:.0f} MB in {args.tensors} tensors, medians of {args.reps} rounds\n"
-          "| way | wall | MB/s | CPU donor + joiner | wall / plain | CPU / plain |\n"
-          "|---|---|---|---|---|---|")
+          "| way | connect | wall | MB/s | CPU donor + joiner | wall / plain | CPU / plain |\n"
+          "|---|---|---|---|---|---|---|")
     for w in WAYS:
         m = med[w]
-        print(f"| {w} | {m['wall'] * 1000:.0f} ms | {nbytes / m['wall'] / 1e6:.0f} | "
+        print(f"| {w} | {m['connect'] * 1000:.2f} ms | {m['wall'] * 1000:.0f} ms | "
+              f"{nbytes / m['wall'] / 1e6:.0f} | "
               f"{m['donor_cpu'] * 1000:.0f} + {m['joiner_cpu'] * 1000:.0f} ms | "
               f"{result['wall_vs_plain'][w]:.2f}x | {result['cpu_vs_plain'][w]:.2f}x |")
     return 0
