@@ -16,6 +16,7 @@ every member applied the last step (the end).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -89,6 +90,8 @@ class Coordinator:
         """When each agent was last heard (the failure detector's input)."""
         self.inflight = StepInFlight(clock)
         """The step between two commits: who reduced it, speeds, work-stealing."""
+        self._steering = False
+        """Work-stealing's decisions are due at the end of this pass of the event loop."""
         self.ledger = Ledger()
         self._effects = EffectInterpreter(
             view=lambda: self.view, send=send, records=self.records, events=self.events,
@@ -331,6 +334,16 @@ class Coordinator:
         self._steer()
 
     def _steer(self) -> None:
+        """Decide steals once per pass of the event loop, after every report it read: a
+        decision costs O(members), and near a step's end every member reports within a
+        microbatch's time; folded, a busy controller decides as often as it can afford and
+        an idle one at once (bench/scripts/stealing_step.py)."""
+        if not self._steering:
+            self._steering = True
+            asyncio.get_running_loop().call_soon(self._steer_now)
+
+    def _steer_now(self) -> None:
+        self._steering = False
         if (moves := self.inflight.moves()) is not None:
             self._run_now(stealflow.steer, *moves)
 

@@ -31,6 +31,7 @@ from recover.controller.jobstate import plan_message
 from recover.controller.policy import PlanDecision
 from recover.controller.stealing import (
     DEFAULT_LATENCY_S,
+    MARGIN,
     Decisions,
     Member,
     Steal,
@@ -79,16 +80,23 @@ class StealBook:
         return self._key == (generation, step)
 
     def progress(self, replica: int, msg: pb.Progress, now: float) -> bool:
-        """A member's progress; True when it is news the decisions depend on."""
+        """A member's progress; True when it is news the decisions may turn on: the member
+        is now on its last microbatch or idle (a taker, or one to close), or it ends its
+        share at least MARGIN of a microbatch sooner or later than predicted. Any other
+        report confirms the prediction the last decisions were made on, and deciding again
+        at every one of them cost the controller O(members) per report, O(members²) per
+        step (bench/scripts/stealing_step.py)."""
         member = self.members.get(replica)
         if member is None or not self.current(msg.generation, msg.step):
             return False
         if not set(msg.done) <= set(member.share):
             return False  # a share changed since it was sent: the next report is right
         speed = msg.last_s if msg.last_s > 0 else member.seconds_per_mb
-        self.members[replica] = replace(member, done=len(msg.done), seconds_per_mb=speed,
-                                        since=now)
-        return True
+        reported = replace(member, done=len(msg.done), seconds_per_mb=speed, since=now)
+        self.members[replica] = reported
+        if reported.idle and not member.idle or member.unstarted and not reported.unstarted:
+            return True
+        return abs(reported.finish(now) - member.finish(now)) > MARGIN * reported.pace(now)
 
     def released(self, replica: int, msg: pb.Released, now: float) -> Steal | None:
         """The giver's answer: the steal it settles, each taker's part cut to what was

@@ -205,6 +205,8 @@ class _Takers:
         self.working = sorted((s for s in free if not s.member.idle), key=_by_finish)
         self.last_one = [s for s in self.working if not s.member.unstarted]
         """Members on their last microbatch, by finish: about to be idle."""
+        self.fastest = min((s.pace for s in free), default=float("inf"))
+        """No taker's pace is below this (takers only ever leave)."""
 
     def near_end_before(self, finish: float) -> bool:
         """Is anyone idle or on its last microbatch that finishes before `finish`?"""
@@ -212,7 +214,16 @@ class _Takers:
                     or self.last_one and self.last_one[0].finish < finish)
 
     def split(self, giver: _Seen, latency_s: float) -> dict[int, tuple[int, ...]]:
-        """_split over the takers that finish before the giver."""
+        """_split over the takers that finish before the giver. Skipped (same answer) when
+        no taker could end even the giver's last microbatch soon enough: none starts it
+        before the earliest finish among them nor before the giver releases it, nor takes
+        less than the fastest pace among them; most givers near a step's end are such."""
+        start = giver.boundary + latency_s
+        idle = self.idle and self.now < giver.finish
+        earliest = self.now if idle else self.working[0].finish if self.working else None
+        if earliest is None or (max(earliest, start) + self.fastest
+                                > giver.finish - MARGIN * giver.pace):
+            return {}
         before = bisect.bisect_left(self.working, giver.finish, key=lambda s: s.finish)
         return _split(giver, itertools.islice(self.working, before), latency_s,
                       self.idle if self.now < giver.finish else ())
@@ -237,8 +248,8 @@ def decide(members: Mapping[int, Member], now: float,
     for is closed; an idle member that could get something once a pending Release is
     answered waits for it. Once no member holds an unstarted microbatch, every member is
     closed, busy or not. About O(members log members) in a step's usual end (1,024
-    members: a quadratic first version took 0.9 s a call, and the controller decides at
-    every report)."""
+    members: a quadratic first version took 0.9 s a call); the controller decides on news
+    only, once per pass of its loop (stealflow.StealBook.progress, Coordinator._steer)."""
     idle = [m for m in members.values() if m.idle and not m.closed and not m.taking]
     settled = [m for m in members.values() if not (m.closed or m.giving or m.taking)]
     if not any(m.giving or m.taking for m in members.values()) and \

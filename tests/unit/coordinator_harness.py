@@ -61,6 +61,11 @@ class Harness:
         for hook in self.on_send:
             hook(agent_id, message)
 
+    async def settle(self) -> None:
+        """Let the coordinator's end-of-pass work run (its work-stealing decisions are made
+        once per pass of the event loop, after the reports it read)."""
+        await asyncio.sleep(0)
+
     def messages(self, kind: str) -> list[tuple[str, Any]]:
         return [(a, getattr(m, kind)) for a, m in self.sent if m.WhichOneof("kind") == kind]
 

@@ -147,6 +147,30 @@ def test_an_empty_answer_means_the_giver_is_on_its_last_microbatch() -> None:
     assert set(book.decide(NOW).close) == {0, 1}  # nothing left: both close
 
 
+@pytest.mark.parametrize("reports", [
+    # (seconds after the step began, done so far, its last microbatch's time, news?)
+    pytest.param([(0.05, 1, 0.05, False), (0.10, 2, 0.05, False)], id="on time: no news"),
+    pytest.param([(0.10, 1, 0.10, False)],
+                 id="slower, but the time since the step began had already shown it"),
+    pytest.param([(0.05, 1, 0.05, False), (0.15, 2, 0.10, False), (0.20, 3, 0.05, True)],
+                 id="on its last microbatch: a taker"),
+    pytest.param([(0.05, 1, 0.05, False), (0.10, 2, 0.05, False), (0.15, 3, 0.05, True),
+                  (0.20, 4, 0.05, True)], id="idle: one to close"),
+    pytest.param([(0.10, 1, 0.10, False), (0.15, 2, 0.05, True)],
+                 id="2x faster than its last: ends its share well before predicted"),
+    pytest.param([(0.05, 1, 0.20, True)],
+                 id="says its microbatch took 4x the time seen: its share ends far later"),
+])
+def test_only_news_calls_for_a_decision(reports: list[tuple[float, int, float, bool]]) -> None:
+    # Deciding at every report cost O(members) a report; a report that only confirms the
+    # prediction (its time since the last one included) cannot change a decision.
+    book = book_for({0: (0, 1, 2, 3), 1: (4, 5, 6, 7)}, {0: 0.05, 1: 0.05})
+    began = NOW - 0.2
+    for after, done, last_s, news in reports:
+        assert book.progress(0, progress(list(range(done)), last_s), began + after) is news
+    assert book.members[0].done == reports[-1][1]
+
+
 def test_a_plan_without_work_stealing_keeps_no_book() -> None:
     view = JobView(job=pb.JobConfig(), generation=1, members=(0, 1), plan={0: (0,), 1: (1,)})
     book = StealBook()
@@ -201,11 +225,13 @@ async def test_the_coordinator_steals_stores_the_plan_and_commits_what_moved() -
     await c.progress(1, pb.Progress(generation=1, step=0, done=[2], last_s=0.05))
     h.clock.now += 0.05
     await c.progress(0, pb.Progress(generation=1, step=0, done=[0, 1], last_s=0.05))
+    await h.settle()
     (agent, release), = h.messages("release")  # replica 2 has not reported at all
     assert agent == "a2" and release.replica == 2 and list(release.microbatch_ids) == [5]
     await c.released(2, pb.Released(generation=1, step=0, steal=release.steal,
                                      microbatch_ids=[5]))
     assert c.plan == {0: (0, 1, 5), 1: (2, 3), 2: (4,)}
+    await h.settle()
     stored = (await Records(h.store, h.job.job_id).load()).plan
     assert stored is not None and stored.version == 1 and plan_dict(stored)[0] == (0, 1, 5)
     (agent, share), = [(a, s) for a, s in h.messages("share") if s.open]
@@ -222,6 +248,7 @@ async def test_the_coordinator_steals_stores_the_plan_and_commits_what_moved() -
     await c.progress(1, pb.Progress(generation=1, step=0, done=[2, 3], last_s=0.05))
     await c.progress(2, pb.Progress(generation=1, step=0, done=[4], last_s=0.2))
     await c.progress(0, pb.Progress(generation=1, step=0, done=[0, 1, 5], last_s=0.05))
+    await h.settle()
     closed = {s.replica for _, s in h.messages("share") if not s.open}
     assert closed == {0, 1, 2}
     await h.reduce()
@@ -235,12 +262,33 @@ async def test_the_coordinator_steals_stores_the_plan_and_commits_what_moved() -
 
 
 @scenario
+async def test_reports_read_in_one_pass_of_the_loop_are_decided_on_once() -> None:
+    # Near a step's end every member reports within one microbatch's time, and a decision
+    # costs O(members): the coordinator folds what it read in one pass into one decision.
+    h = Harness(stealing_job())
+    await h.start()
+    c = h.coord
+    decided = []
+    moves = c.inflight.moves
+    c.inflight.moves = lambda: decided.append(c.view.step) or moves()
+    h.clock.now += 0.1
+    for replica, done in ((0, [0, 1]), (1, [2, 3])):  # both idle: news
+        await c.progress(replica, pb.Progress(generation=1, step=0, done=done, last_s=0.05))
+    assert decided == [] and not h.messages("release")
+    await h.settle()
+    assert decided == [0]
+    (_, release), = h.messages("release")
+    assert release.replica == 2 and list(release.microbatch_ids) == [5]
+
+
+@scenario
 async def test_a_loss_during_a_steal_replans_from_the_plan_in_force() -> None:
     h = Harness(stealing_job())
     await h.start()
     c = h.coord
     h.clock.now += 0.1
     await c.progress(0, pb.Progress(generation=1, step=0, done=[0, 1], last_s=0.05))
+    await h.settle()
     (_, release), = h.messages("release")
     # The giver dies before answering: its share, the microbatch asked for included,
     # is reassigned; the late answer of the old generation moves nothing.
