@@ -49,15 +49,6 @@ NAMES_SHOWN = 4
 """Buffers named in a warning before '... and N more'."""
 
 
-def _copy_all(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    """One fused copy where torch has it (a BatchNorm-heavy model has hundreds of buffers)."""
-    if hasattr(torch, "_foreach_copy_"):
-        torch._foreach_copy_(destinations, sources)
-    else:  # pragma: no cover - older torch
-        for destination, source in zip(destinations, sources, strict=True):
-            destination.copy_(source)
-
-
 @dataclass
 class _Tracked:
     name: str
@@ -65,6 +56,10 @@ class _Tracked:
     key: str
     committed: torch.Tensor
     """The value committed after the last step: every forward starts from it."""
+    live: torch.Tensor
+    """What the model holds: a view of its group's live flat tensor."""
+    aliases: tuple[tuple[torch.nn.Module, str], ...] = ()
+    """Other modules that registered the same tensor (they hold the view too)."""
 
     def checked(self, tensor: torch.Tensor | None) -> torch.Tensor:
         """A module assigned a new tensor instead of updating in place: fine, if its layout
@@ -78,66 +73,83 @@ class _Tracked:
                 "buffers outside the guarantee", where="buffers")
         return tensor
 
+    def adopt(self) -> None:
+        """Make the model hold `live` (again): its value is whatever the model holds now."""
+        current = self.module._buffers[self.key]
+        if current is not self.live:
+            self.live.copy_(self.checked(current))
+        for module, key in ((self.module, self.key), *self.aliases):
+            module._buffers[key] = self.live
+
 
 class _Group:
-    """The buffers of one delta bucket: a few fused ops per microbatch, not a few per buffer."""
+    """The buffers of one delta bucket, held by the model as views of one flat tensor of
+    their dtype: a microbatch's capture is then three ops whatever their number. Right after
+    a backward each op dispatched costs several microseconds, and flattening, subtracting,
+    adding and copying back buffer by buffer took ~0.15 ms of the example ConvNet's 2.4 ms
+    step (bench/scripts/buffers_micro.py)."""
 
     def __init__(self, members: list[tuple[str, torch.nn.Module, str, torch.Tensor]],
-                 bucket: Bucket) -> None:
+                 bucket: Bucket,
+                 aliases: dict[int, list[tuple[torch.nn.Module, str]]] | None = None) -> None:
         self.bucket = bucket
         self.integer = members[0][3].dtype in INT_DTYPES
         with torch.no_grad():
-            self.committed_flat = torch.cat([t.detach().reshape(-1).to(bucket.dtype)
-                                             for *_, t in members])
-        """The committed values in the bucket's dtype (integers exactly, in float64)."""
-        self.scratch = torch.empty_like(self.committed_flat)
+            self.live_flat = torch.cat([t.detach().reshape(-1) for *_, t in members])
+            """The model's buffers, one after the other, in their own dtype."""
+            self.committed_flat = self.live_flat.to(bucket.dtype, copy=True)
+            """The committed values in the bucket's dtype (integers exactly, in float64)."""
+            self.committed_own = (self.live_flat.clone() if self.integer
+                                  else self.committed_flat)
+            """The committed values in the buffers' own dtype (what digests cover)."""
+        self.delta = torch.empty_like(self.committed_flat)
         self.tracked: list[_Tracked] = []
         offset = 0
         for name, module, key, tensor in members:
-            n = tensor.numel()
-            committed = (tensor.detach().clone() if self.integer else
-                         self.committed_flat[offset:offset + n].view(tensor.shape))
-            self.tracked.append(_Tracked(name, module, key, committed))
+            n, shape = tensor.numel(), tensor.shape
+            self.tracked.append(_Tracked(
+                name, module, key, self.committed_own[offset:offset + n].view(shape),
+                self.live_flat[offset:offset + n].view(shape),
+                tuple((aliases or {}).get(id(tensor), ()))))
             offset += n
-        self._committed = [t.committed for t in self.tracked]
-        self._lives = [tensor for *_, tensor in members]
+        for t in self.tracked:
+            t.adopt()
 
-    def lives(self) -> list[torch.Tensor]:
-        """The model's tensors, looked up again: a module may have assigned new ones."""
-        for i, t in enumerate(self.tracked):
-            current = t.module._buffers[t.key]
-            if current is not self._lives[i]:
-                self._lives[i] = t.checked(current)
-        return self._lives
+    def _adopt_replaced(self) -> None:
+        """A module may have assigned a new tensor instead of updating its own in place."""
+        for t in self.tracked:
+            if t.module._buffers[t.key] is not t.live:
+                t.adopt()
 
     def restore(self) -> None:
-        _copy_all(self.lives(), self._committed)
+        self._adopt_replaced()
+        self.live_flat.copy_(self.committed_own)
 
     def capture(self) -> None:
-        lives = self.lives()
-        torch.cat([live.reshape(-1) for live in lives], out=self.scratch)
-        self.bucket.flat.add_(self.scratch.sub_(self.committed_flat))  # the delta, then restore
-        _copy_all(lives, self._committed)
+        self._adopt_replaced()
+        torch.sub(self.live_flat, self.committed_flat, out=self.delta)
+        self.bucket.flat.add_(self.delta)
+        self.live_flat.copy_(self.committed_own)  # restore
 
     def commit(self, mean: torch.Tensor) -> None:
         # A joiner's catch-up steps arrive from the wire on the host; the buffers may live on
         # a GPU (found by scripts/gpu_check.sh: a restarted BatchNorm replica's first step).
-        mean = mean.to(self.committed_flat.device)
+        if mean.device != self.committed_flat.device:
+            mean = mean.to(self.committed_flat.device)
         if self.integer:  # round half to even: deterministic, and a counter's mean is whole
             self.committed_flat.add_(torch.round(mean))
-            offset = 0
-            for t in self.tracked:
-                n = t.committed.numel()
-                t.committed.copy_(self.committed_flat[offset:offset + n].view(t.committed.shape))
-                offset += n
-        else:  # the committed tensors are views of committed_flat
-            self.committed_flat.add_(mean.to(self.committed_flat.dtype))
-        _copy_all(self.lives(), self._committed)
+            self.committed_own.copy_(self.committed_flat)
+        else:  # cast first: add_ would add in the wider dtype, a different rounding
+            dtype = self.committed_flat.dtype
+            self.committed_flat.add_(mean if mean.dtype == dtype else mean.to(dtype))
+        self._adopt_replaced()
+        self.live_flat.copy_(self.committed_own)
 
     def recommit(self) -> None:
-        _copy_all(self._committed, self.lives())
+        self._adopt_replaced()
+        self.committed_own.copy_(self.live_flat)
         if self.integer:
-            torch.cat([c.reshape(-1) for c in self._committed], out=self.committed_flat)
+            self.committed_flat.copy_(self.committed_own)
 
 
 class ModelBuffers:
@@ -228,12 +240,15 @@ def model_buffers(model: torch.nn.Module, mode: str) -> tuple[ModelBuffers | Non
         raise ValueError(f"buffers must be one of {', '.join(map(repr, BUFFER_MODES))}, "
                          f"got {mode!r}")
     found: list[tuple[str, torch.nn.Module, str, torch.Tensor]] = []
-    seen: set[int] = set()
-    for prefix, module in model.named_modules():
+    aliases: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
         for key, tensor in module._buffers.items():
-            if tensor is None or id(tensor) in seen:
+            if tensor is None:
                 continue
-            seen.add(id(tensor))
+            if id(tensor) in aliases:  # registered twice: held, and kept, as one
+                aliases[id(tensor)].append((module, key))
+                continue
+            aliases[id(tensor)] = []
             found.append((f"{prefix}.{key}" if prefix else key, module, key, tensor))
     if not found:
         return None, None
@@ -243,18 +258,19 @@ def model_buffers(model: torch.nn.Module, mode: str) -> tuple[ModelBuffers | Non
                       "may differ from the failure-free run's, and digests and `recover verify` "
                       "do not cover them")
     outside: list[str] = []
-    # Keyed by (device, the bucket's dtype, integers?): float64 buffers and integer ones
-    # (held in float64) share a dtype but not a commit rule.
-    groups: dict[tuple[torch.device, torch.dtype, bool],
+    # Keyed by (device, the bucket's dtype, the buffers' dtype): float64 buffers and integer
+    # ones (held in float64) share a bucket dtype but not a commit rule, and a group's
+    # buffers are views of one tensor of their dtype.
+    groups: dict[tuple[torch.device, torch.dtype, torch.dtype],
                  list[tuple[str, torch.nn.Module, str, torch.Tensor]]] = {}
     for name, module, key, tensor in found:
         if key in module._non_persistent_buffers_set:
             outside.append(f"{name} (non-persistent)")
         elif tensor.dtype in FLOAT_DTYPES:
-            groups.setdefault((tensor.device, tensor.dtype, False), []).append(
+            groups.setdefault((tensor.device, tensor.dtype, tensor.dtype), []).append(
                 (name, module, key, tensor))
         elif tensor.dtype in INT_DTYPES:
-            groups.setdefault((tensor.device, torch.float64, True), []).append(
+            groups.setdefault((tensor.device, torch.float64, tensor.dtype), []).append(
                 (name, module, key, tensor))
         else:
             outside.append(f"{name} ({str(tensor.dtype).removeprefix('torch.')})")
@@ -265,11 +281,12 @@ def model_buffers(model: torch.nn.Module, mode: str) -> tuple[ModelBuffers | Non
     if not groups:
         return None, warning
     groups_built = []
-    for (device, dtype, integer), members in groups.items():
+    for (device, dtype, own_dtype), members in groups.items():
         size = sum(tensor.numel() for *_, tensor in members)
         bucket = Bucket(device, dtype, [], [tensor.numel() for *_, tensor in members],
-                        torch.zeros(size, dtype=dtype, device=device), integer=integer)
-        groups_built.append(_Group(members, bucket))
+                        torch.zeros(size, dtype=dtype, device=device),
+                        integer=own_dtype in INT_DTYPES)
+        groups_built.append(_Group(members, bucket, aliases))
     # The digest's order: the model's, not the buckets'.
     inside = {t.name for g in groups_built for t in g.tracked}
     return ModelBuffers(groups_built, [name for name, *_ in found if name in inside]), warning

@@ -4,7 +4,8 @@
 steps spread by ±30 % between rounds on 2 shared cores: it cannot resolve 2 %. The buffers'
 work is all in each replica's own step: the running statistics restored before every
 microbatch's forward and captured after it, packed into the step's reduce buffer with the
-gradients, and put back at the commit (`trainer/buffers.py`); across replicas they add a few
+gradients, put back at the commit (`trainer/buffers.py`) and hashed into the step digest
+each member reports (on CPU, at once after the commit); across replicas they add a few
 hundred bytes to the one allreduce the gradients already make (reported below as a share
 of its bytes). So this times that step alone: the example's ConvNet (BatchNorm, SGD with
 momentum), its microbatches of 16 images, `--microbatches` per step (2: a replica's share
@@ -83,6 +84,7 @@ class Replica:
         reduced = self.acc.buffers()  # what the allreduce would carry
         self.reduce_bytes = sum(b.numel() * b.element_size() for b in reduced)
         self.workload.apply(self.grads, self.acc.finish(reduced).grads)
+        self.workload.digest()  # every step's proof, the buffers in it too
         self.step_no += 1
 
 

@@ -187,6 +187,58 @@ def test_between_microbatches_the_model_holds_the_committed_buffers() -> None:
     assert any(b.flat.abs().sum() > 0 for b in workload.model_buffers.buckets)  # the delta
 
 
+class Ticker(nn.Module):
+    """A counter bumped in place, one assigned anew each forward, an int32 one, and a
+    buffer it shares with another module."""
+
+    def __init__(self, shared: torch.Tensor) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 1)
+        self.register_buffer("bumped", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("assigned", torch.zeros(2))
+        self.register_buffer("small", torch.zeros(3, dtype=torch.int32))
+        self.register_buffer("shared", shared)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.bumped += 1
+        self.assigned = self.assigned + x.mean()  # a new tensor, not an update in place
+        self.small += 2
+        self.shared.add_(1.0)
+        return self.linear(x)
+
+
+class Pair(nn.Module):
+    def __init__(self, ticker: Ticker, other: nn.Module) -> None:
+        super().__init__()
+        self.ticker, self.other = ticker, other
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ticker(x)
+
+
+def test_replaced_shared_and_mixed_integer_buffers_are_all_reduced() -> None:
+    # The model holds each group's buffers as views of one tensor: a module that assigns
+    # a new tensor, one registered twice, and integers of two dtypes must all still count.
+    shared = torch.zeros(2)
+    model = Pair(Ticker(shared), nn.Module())
+    model.other.register_buffer("alias", shared)
+    workload = one_step(model, "exact")
+    ticker = model.ticker
+    assert ticker.shared is model.other.alias  # still one tensor
+    assert int(ticker.bumped) == 1 and ticker.small.tolist() == [2, 2, 2]
+    assert ticker.small.dtype == torch.int32 and ticker.shared.tolist() == [1.0, 1.0]
+    mean_x = torch.stack([data(0, mb)[0].mean() for mb in range(M)]).mean()
+    torch.testing.assert_close(ticker.assigned, mean_x.expand(2), rtol=1e-6, atol=1e-7)
+    names = [name for name, _ in workload.model_buffers.named()]
+    assert names == [f"ticker.{b}" for b in ("bumped", "assigned", "small", "shared")]
+    # Between microbatches (what a donor snapshots) the model holds the committed values,
+    # the replaced tensor's included.
+    workload.source.bind(M, 1)
+    workload.compute(1, 0)
+    assert int(ticker.bumped) == 1 and ticker.assigned is not None
+    torch.testing.assert_close(ticker.assigned, mean_x.expand(2), rtol=1e-6, atol=1e-7)
+
+
 def test_buffers_left_outside_are_named_in_one_line() -> None:
     model = bn_model()
     model.register_buffer("mask", torch.ones(3, dtype=torch.bool))

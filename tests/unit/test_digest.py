@@ -73,3 +73,16 @@ def test_older_builds_digest_is_kept_for_their_checkpoints() -> None:
     assert legacy_step_digest(named, named[:1]) == f"{h.hexdigest()}+{legacy_tensor_digest(named[:1])}"
     assert CHUNK_BYTES == 16 << 20  # a new size is a new scheme: DIGEST_SCHEME names it
     assert digest.DIGEST_SCHEME == "sha256/16MiB"
+
+
+def test_bytes_viewed_through_numpy_digest_as_through_torch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The numpy view is only a cheaper way to the same bytes: DIGEST_SCHEME is unchanged.
+    named = [("w", torch.randn(3, 4)), ("count", torch.tensor(5)),
+             ("strided", torch.randn(4, 3).t()), ("bf16", torch.randn(5).bfloat16()),
+             ("mask", torch.tensor([True, False])), ("p", torch.nn.Parameter(torch.randn(7))),
+             ("f64", torch.randn(2, dtype=torch.float64)), ("f16", torch.randn(3).half()),
+             ("every_other", torch.arange(6, dtype=torch.int32)[::2])]
+    viewed = digest.tensor_digest(named)
+    monkeypatch.setattr(digest, "_NUMPY_VIEWS", ())
+    assert digest.tensor_digest(named) == viewed

@@ -51,3 +51,22 @@ def test_the_worst_case_sum_stays_exact_up_to_the_bound() -> None:
 def test_a_generation_never_has_more_members_than_the_digits_allow() -> None:
     # Members are at most --replicas plus --spares, each bounded by the job's settings.
     assert 2 * MAX_REPLICAS <= MAX_SUMMANDS
+
+
+@pytest.mark.parametrize("count", [1, 16, 64, 65, 300])
+def test_the_python_and_the_tensor_digits_are_the_same(count: int,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # A few counters (a BatchNorm model's) take the Python path, many the tensor one: same
+    # digits and same sums, the extremes included.
+    from recover.trainer import limbs
+
+    rng = random.Random(count)
+    values = (EXTREMES + [rng.randint(-(2**53) + 1, 2**53 - 1) for _ in range(count)])[:count]
+    made = {}
+    for small in (0, 10_000):
+        monkeypatch.setattr(limbs, "SMALL", small)
+        digits = digits_of(values)
+        total = digits + digits_of(values[::-1])
+        made[small] = (digits, join(digits, count), join(total, count))
+    assert all(torch.equal(a, b) for a, b in zip(made[0], made[10_000], strict=True))
+    assert made[0][1].tolist() == [float(v) for v in values]
