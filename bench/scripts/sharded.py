@@ -2,7 +2,8 @@
 one-process replicas, side by side in one run.
 
 Real `recover run` jobs of `examples/hsdp.py` (FSDP2 inside each replica when it has
-several ranks), fast reduction, `--compute-ms 20` of emulated accelerator time per
+several ranks) or, with `--example pipeline`, of `examples/pipeline.py` (the same model in
+K pipeline stages, GPipe), fast reduction, `--compute-ms 20` of emulated accelerator time per
 microbatch, `--max-restarts 0` (a lost replica is not replaced in any layout, so every
 layout recovers the same way), interleaved layout by layout within each round so load
 drifts hit all of them:
@@ -12,14 +13,17 @@ drifts hit all of them:
   backward, reduce, and with K = 2 the killed rank rotates over 0 and 1.
 * `R x K ref`: the same layout failure-free: its median step time (from summary.json's
   `committed_at_s_per_step`) is the failure-free cost of the layout.
-* `R x K torch` (K = 2): plain torch HSDP on the same layout, model, microbatches and
-  emulated compute (`hsdp_baseline.py`: FSDP2 over a replicate x shard mesh of one global
-  world, gradients synchronized once per step), no fault tolerance: the ratio
-  ReCoVer / torch of the median step times is the failure-free cost of ReCoVer (fast mode).
+* `R x K torch` (K = 2): plain torch on the same layout, model, microbatches and emulated
+  compute, no fault tolerance: HSDP (`hsdp_baseline.py`: FSDP2 over a replicate x shard
+  mesh of one global world, gradients synchronized once per step) or pipeline x data
+  parallelism (`pipeline_baseline.py`: the same stages and schedule, each stage's gradient
+  allreduced across replicas once per step). The ratio ReCoVer / torch of the median step
+  times is the failure-free cost of ReCoVer (fast mode).
 
 Recovery is kill -> every survivor computes again (the controller's `recovered_s`).
 
     python bench/scripts/sharded.py --rounds 4 --out bench/results/sharded
+    python bench/scripts/sharded.py --rounds 4 --example pipeline --out bench/results/sharded-pipeline
 """
 
 from __future__ import annotations
@@ -51,12 +55,13 @@ def kills(replicas: int, ranks: int, round_: int) -> list[str]:
     return specs
 
 
-def run_job(out: Path, replicas: int, ranks: int, faults: list[str]) -> dict[str, Any] | None:
+def run_job(out: Path, replicas: int, ranks: int, faults: list[str],
+            example: str = "hsdp") -> dict[str, Any] | None:
     args = [sys.executable, "-m", "recover.cli.main", "run", "--out", str(out), "--quiet",
             "--replicas", str(replicas), "--ranks-per-replica", str(ranks),
             "--steps", str(STEPS), "-M", "8", "--compute-ms", "20", "--max-restarts", "0",
             *[part for fault in faults for part in ("--kill", fault)],
-            "--", "python", str(REPO / "examples" / "hsdp.py")]
+            "--", "python", str(REPO / "examples" / f"{example}.py")]
     done = subprocess.run(args, capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
         print(f"  {out.name} failed: {done.stderr.strip().splitlines()[-1:]}", flush=True)
@@ -64,15 +69,16 @@ def run_job(out: Path, replicas: int, ranks: int, faults: list[str]) -> dict[str
     return json.loads((out / "summary.json").read_text())
 
 
-def baseline_step(replicas: int, ranks: int) -> float | None:
+def baseline_step(replicas: int, ranks: int, example: str = "hsdp") -> float | None:
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone",
             "--nproc-per-node", str(replicas * ranks), str(REPO / "bench" / "scripts" /
-                                                          "hsdp_baseline.py"),
+                                                          f"{example}_baseline.py"),
             "--ranks", str(ranks), "--steps", str(STEPS), "-M", "8", "--compute-ms", "20"]
     done = subprocess.run(args, capture_output=True, text=True, timeout=300)
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("{")), None)
     if done.returncode != 0 or line is None:
-        print(f"  torch HSDP {replicas}x{ranks} failed: {done.stderr.strip()[-300:]}", flush=True)
+        print(f"  torch {example} {replicas}x{ranks} failed: {done.stderr.strip()[-300:]}",
+              flush=True)
         return None
     return float(json.loads(line)["step_s_median"])
 
@@ -94,6 +100,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--example", choices=("hsdp", "pipeline"), default="hsdp",
+                        help="what a replica of several ranks runs: FSDP2 or pipeline stages")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     layouts = [(2, 1), (2, 2), (4, 1), (4, 2)]
@@ -105,17 +113,17 @@ def main() -> int:
             name = f"{replicas}x{ranks}"
             print(f"round {round_}: {name}", flush=True)
             killed = run_job(args.out / f"{name}-r{round_}", replicas, ranks,
-                             kills(replicas, ranks, round_))
+                             kills(replicas, ranks, round_), args.example)
             if killed is not None:
                 recovered[name] += [f["recovered_s"] for f in killed["failures"]
                                     if f.get("recovered_s")]
-            ref = run_job(args.out / f"{name}-ref-r{round_}", replicas, ranks, [])
+            ref = run_job(args.out / f"{name}-ref-r{round_}", replicas, ranks, [], args.example)
             if ref is not None:
                 steps[name].append(step_time(ref))
-            if ranks > 1 and (baseline := baseline_step(replicas, ranks)) is not None:
+            if ranks > 1 and (baseline := baseline_step(replicas, ranks, args.example)) is not None:
                 torch_steps[name].append(baseline)
     results: dict[str, Any] = {"environment": environment(), "rounds": args.rounds,
-                               "layouts": {}}
+                               "example": args.example, "layouts": {}}
     for replicas, ranks in layouts:
         name = f"{replicas}x{ranks}"
         torch_step = torch_steps.get(name, [])
@@ -126,7 +134,9 @@ def main() -> int:
             "torch_step_s_median": round(statistics.median(torch_step), 4) if torch_step
             else None}
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    print("| layout | kills | recovery p50 | p99 | max | step, ReCoVer | step, torch HSDP | ratio |")
+    torch_name = "torch HSDP" if args.example == "hsdp" else "torch pipeline x DP"
+    print(f"| layout | kills | recovery p50 | p99 | max | step, ReCoVer | step, {torch_name} "
+          "| ratio |")
     print("|---|---|---|---|---|---|---|---|")
     for name, row in results["layouts"].items():
         rec, ours, theirs = row["recovery"], row["step_s_median"], row["torch_step_s_median"]
