@@ -15,10 +15,6 @@ line: the median step time after the first step.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,21 +23,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch_baseline import arguments, finish, microbatch_rows, start
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from toy_transformer import TinyTransformer, corpus, cross_entropy  # noqa: E402
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--ranks", type=int, default=2, help="ranks per replica (the shard dim)")
-parser.add_argument("--steps", type=int, default=10)
-parser.add_argument("-M", "--global-microbatches", type=int, default=8)
-parser.add_argument("--microbatch-size", type=int, default=4)
-parser.add_argument("--compute-ms", type=float, default=20.0)
-args = parser.parse_args()
-
-torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-dist.init_process_group("gloo")
-world, rank = dist.get_world_size(), dist.get_rank()
+args = arguments(__doc__.splitlines()[0]).parse_args()
+world, rank = start()
 replicas = world // args.ranks
 mesh = init_device_mesh("cpu", (replicas, args.ranks), mesh_dim_names=("replicate", "shard"))
 replica, shard = divmod(rank, args.ranks)
@@ -59,17 +47,12 @@ per_replica = args.global_microbatches // replicas
 ends = []
 for step in range(args.steps):
     for i in range(per_replica):
-        microbatch = step * args.global_microbatches + replica * per_replica + i
-        start = (microbatch * args.microbatch_size) % (len(data) - args.microbatch_size)
-        batch = data[start:start + args.microbatch_size].chunk(args.ranks)[shard]
+        batch = microbatch_rows(data, args, step, replica, per_replica, i).chunk(args.ranks)[shard]
         model.set_requires_gradient_sync(i == per_replica - 1)
         cross_entropy(model(batch[:, :-1]), batch[:, 1:]).backward()
-        time.sleep(args.compute_ms / 1000.0)  # emulated accelerator time, as --compute-ms
+        time.sleep(args.compute_ms / 1000.0)
     optimizer.step()
     optimizer.zero_grad()
     dist.barrier()
     ends.append(time.perf_counter())
-if rank == 0:
-    gaps = [b - a for a, b in zip(ends[1:], ends[2:], strict=False)]
-    print(json.dumps({"step_s_median": statistics.median(gaps), "step_s": gaps}), flush=True)
-dist.destroy_process_group()
+finish(ends, rank)

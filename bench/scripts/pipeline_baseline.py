@@ -17,10 +17,6 @@ divides by M and steps. Rank 0 prints one JSON line: the median step time after 
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,22 +25,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+from torch_baseline import arguments, finish, microbatch_rows, start
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from toy_transformer import corpus, cross_entropy, layers  # noqa: E402
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--ranks", type=int, default=2, help="stages per replica")
-parser.add_argument("--steps", type=int, default=10)
-parser.add_argument("-M", "--global-microbatches", type=int, default=8)
-parser.add_argument("--microbatch-size", type=int, default=4)
-parser.add_argument("--chunks", type=int, default=2)
-parser.add_argument("--compute-ms", type=float, default=20.0)
+parser = arguments(__doc__.splitlines()[0])
+parser.add_argument("--chunks", type=int, default=2, help="pipeline microbatches per microbatch")
 args = parser.parse_args()
-
-torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-dist.init_process_group("gloo")
-world, rank = dist.get_world_size(), dist.get_rank()
+world, rank = start()
 stages = args.ranks
 replicas = world // stages
 replica, stage_index = divmod(rank, stages)
@@ -66,16 +55,14 @@ per_replica = args.global_microbatches // replicas
 ends = []
 for step in range(args.steps):
     for i in range(per_replica):
-        microbatch = step * args.global_microbatches + replica * per_replica + i
-        start = (microbatch * args.microbatch_size) % (len(data) - args.microbatch_size)
-        batch = data[start:start + args.microbatch_size]
+        batch = microbatch_rows(data, args, step, replica, per_replica, i)
         if first:
             schedule.step(batch[:, :-1])
         elif last:
             schedule.step(target=batch[:, 1:], losses=[])
         else:
             schedule.step()
-        time.sleep(args.compute_ms / 1000.0)  # emulated accelerator time, as --compute-ms
+        time.sleep(args.compute_ms / 1000.0)
     flat = torch.cat([p.grad.reshape(-1) for p in params])
     dist.all_reduce(flat, group=across[stage_index])
     flat.div_(args.global_microbatches)
@@ -87,7 +74,4 @@ for step in range(args.steps):
     optimizer.zero_grad()
     dist.barrier()
     ends.append(time.perf_counter())
-if rank == 0:
-    gaps = [b - a for a, b in zip(ends[1:], ends[2:], strict=False)]
-    print(json.dumps({"step_s_median": statistics.median(gaps), "step_s": gaps}), flush=True)
-dist.destroy_process_group()
+finish(ends, rank)
