@@ -72,6 +72,10 @@ class Step:
     calls: int = 0
     decide_s: float = 0.0
     steals: int = 0
+    makespan: float = 0.0
+    """When the last member finished, in virtual seconds."""
+    ideal: float = 0.0
+    """M / the sum of the members' speeds (whole microbatches aside)."""
 
     def at(self, when: float, action, *args) -> None:
         heapq.heappush(self.events, (when, next(self.seq), action, args))
