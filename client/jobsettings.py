@@ -279,6 +279,12 @@ SETTINGS: tuple[Setting, ...] = (
             check=lambda v, a: None if a.reduce != "exact" or v == "grad" else (
                 "--reduce-dtype applies to --reduce fast (exact reduction is integer fixed "
                 "point whatever the gradient dtype)")),
+    Setting("--overlap-reduce", "reduce_after_backward", action="toggle",
+            help="fast mode: reduce a large gradient in pieces of 25 MB, each started as soon "
+                 "as the step's last backward has produced it, as DDP does (default); "
+                 "--no-overlap-reduce reduces all of it after that backward",
+            to_proto=lambda v, a: {"reduce_after_backward": v is False},
+            to_flags=lambda job: ["--no-overlap-reduce"] if job.reduce_after_backward else []),
     Setting("--check-determinism", "check_determinism", action="toggle",
             help="compute microbatch 0 twice before training and compare the gradients "
                  "bitwise, on every replica (default: on with --reduce exact; in fast mode "
@@ -365,6 +371,13 @@ SETTINGS: tuple[Setting, ...] = (
             to_proto=lambda v, a: {"testing.slowdowns": [parse_slowdown_spec(t) for t in v]},
             to_flags=lambda job: [f"--slowdown={format_slowdown_spec(s)}"
                                   for s in job.testing.slowdowns]),
+    Setting("--overlap-piece-kb", "testing.overlap_piece_bytes", type=positive_int,
+            metavar="KB", group="testing",
+            help="with --overlap-reduce, pieces of KB KiB instead of 25 MB, so that a small "
+                 "model's reduction has pieces too (tests, benchmarks)",
+            to_proto=lambda v, a: {"testing.overlap_piece_bytes": (v or 0) * 1024},
+            to_flags=lambda job: [f"--overlap-piece-kb={job.testing.overlap_piece_bytes // 1024}"]
+            if job.testing.overlap_piece_bytes else []),
 )
 BY_DEST = {s.dest: s for s in SETTINGS}
 

@@ -89,6 +89,7 @@ def build_summary(report: pb.RunReport, wall_s: float) -> dict[str, Any]:
             "command": list(report.job.workload.command),
             "parameters": report.workload.parameters,
             "gradient_buckets": list(report.workload.gradient_buckets),
+            "reduce_pieces": report.workload.reduce_pieces,
             "determinism_sha256": report.workload.determinism_sha256 or None,
         },
         # How the parameter digests below were made (an older build's: one sha256 stream).

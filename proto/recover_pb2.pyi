@@ -43,17 +43,19 @@ class SlowdownSpec(_message.Message):
     def __init__(self, replica: _Optional[int] = ..., factor: _Optional[float] = ..., from_step: _Optional[int] = ..., until_step: _Optional[int] = ...) -> None: ...
 
 class TestingConfig(_message.Message):
-    __slots__ = ("faults", "compute_ms", "slowdowns")
+    __slots__ = ("faults", "compute_ms", "slowdowns", "overlap_piece_bytes")
     FAULTS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     SLOWDOWNS_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_PIECE_BYTES_FIELD_NUMBER: _ClassVar[int]
     faults: _containers.RepeatedCompositeFieldContainer[FaultSpec]
     compute_ms: float
     slowdowns: _containers.RepeatedCompositeFieldContainer[SlowdownSpec]
-    def __init__(self, faults: _Optional[_Iterable[_Union[FaultSpec, _Mapping]]] = ..., compute_ms: _Optional[float] = ..., slowdowns: _Optional[_Iterable[_Union[SlowdownSpec, _Mapping]]] = ...) -> None: ...
+    overlap_piece_bytes: int
+    def __init__(self, faults: _Optional[_Iterable[_Union[FaultSpec, _Mapping]]] = ..., compute_ms: _Optional[float] = ..., slowdowns: _Optional[_Iterable[_Union[SlowdownSpec, _Mapping]]] = ..., overlap_piece_bytes: _Optional[int] = ...) -> None: ...
 
 class JobConfig(_message.Message):
-    __slots__ = ("job_id", "replicas", "steps", "global_microbatches", "seed", "reduce", "group_timeout_s", "policy", "hang_timeout_s", "hang_factor", "first_microbatch_grace_s", "workload", "testing", "reduce_dtype", "check_determinism", "skip_batch_check", "record_sample_ids", "min_replicas", "spares", "checkpoint", "resume", "ranks_per_replica", "work_stealing")
+    __slots__ = ("job_id", "replicas", "steps", "global_microbatches", "seed", "reduce", "group_timeout_s", "policy", "hang_timeout_s", "hang_factor", "first_microbatch_grace_s", "workload", "testing", "reduce_dtype", "check_determinism", "skip_batch_check", "record_sample_ids", "min_replicas", "spares", "checkpoint", "resume", "ranks_per_replica", "work_stealing", "reduce_after_backward")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +79,7 @@ class JobConfig(_message.Message):
     RESUME_FIELD_NUMBER: _ClassVar[int]
     RANKS_PER_REPLICA_FIELD_NUMBER: _ClassVar[int]
     WORK_STEALING_FIELD_NUMBER: _ClassVar[int]
+    REDUCE_AFTER_BACKWARD_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     replicas: int
     steps: int
@@ -100,7 +103,8 @@ class JobConfig(_message.Message):
     resume: ResumePoint
     ranks_per_replica: int
     work_stealing: bool
-    def __init__(self, job_id: _Optional[str] = ..., replicas: _Optional[int] = ..., steps: _Optional[int] = ..., global_microbatches: _Optional[int] = ..., seed: _Optional[int] = ..., reduce: _Optional[str] = ..., group_timeout_s: _Optional[float] = ..., policy: _Optional[str] = ..., hang_timeout_s: _Optional[float] = ..., hang_factor: _Optional[float] = ..., first_microbatch_grace_s: _Optional[float] = ..., workload: _Optional[_Union[WorkloadSpec, _Mapping]] = ..., testing: _Optional[_Union[TestingConfig, _Mapping]] = ..., reduce_dtype: _Optional[str] = ..., check_determinism: _Optional[bool] = ..., skip_batch_check: _Optional[bool] = ..., record_sample_ids: _Optional[bool] = ..., min_replicas: _Optional[int] = ..., spares: _Optional[int] = ..., checkpoint: _Optional[_Union[CheckpointConfig, _Mapping]] = ..., resume: _Optional[_Union[ResumePoint, _Mapping]] = ..., ranks_per_replica: _Optional[int] = ..., work_stealing: _Optional[bool] = ...) -> None: ...
+    reduce_after_backward: bool
+    def __init__(self, job_id: _Optional[str] = ..., replicas: _Optional[int] = ..., steps: _Optional[int] = ..., global_microbatches: _Optional[int] = ..., seed: _Optional[int] = ..., reduce: _Optional[str] = ..., group_timeout_s: _Optional[float] = ..., policy: _Optional[str] = ..., hang_timeout_s: _Optional[float] = ..., hang_factor: _Optional[float] = ..., first_microbatch_grace_s: _Optional[float] = ..., workload: _Optional[_Union[WorkloadSpec, _Mapping]] = ..., testing: _Optional[_Union[TestingConfig, _Mapping]] = ..., reduce_dtype: _Optional[str] = ..., check_determinism: _Optional[bool] = ..., skip_batch_check: _Optional[bool] = ..., record_sample_ids: _Optional[bool] = ..., min_replicas: _Optional[int] = ..., spares: _Optional[int] = ..., checkpoint: _Optional[_Union[CheckpointConfig, _Mapping]] = ..., resume: _Optional[_Union[ResumePoint, _Mapping]] = ..., ranks_per_replica: _Optional[int] = ..., work_stealing: _Optional[bool] = ..., reduce_after_backward: _Optional[bool] = ...) -> None: ...
 
 class CheckpointConfig(_message.Message):
     __slots__ = ("dir", "every_steps", "every_s", "keep")
@@ -245,18 +249,20 @@ class Shutdown(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., success: _Optional[bool] = ..., state: _Optional[str] = ...) -> None: ...
 
 class WorkloadInfo(_message.Message):
-    __slots__ = ("parameters", "gradient_buckets", "samples_per_microbatch", "determinism_sha256", "digest_scheme")
+    __slots__ = ("parameters", "gradient_buckets", "samples_per_microbatch", "determinism_sha256", "digest_scheme", "reduce_pieces")
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     GRADIENT_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_PER_MICROBATCH_FIELD_NUMBER: _ClassVar[int]
     DETERMINISM_SHA256_FIELD_NUMBER: _ClassVar[int]
     DIGEST_SCHEME_FIELD_NUMBER: _ClassVar[int]
+    REDUCE_PIECES_FIELD_NUMBER: _ClassVar[int]
     parameters: int
     gradient_buckets: _containers.RepeatedScalarFieldContainer[str]
     samples_per_microbatch: int
     determinism_sha256: str
     digest_scheme: str
-    def __init__(self, parameters: _Optional[int] = ..., gradient_buckets: _Optional[_Iterable[str]] = ..., samples_per_microbatch: _Optional[int] = ..., determinism_sha256: _Optional[str] = ..., digest_scheme: _Optional[str] = ...) -> None: ...
+    reduce_pieces: int
+    def __init__(self, parameters: _Optional[int] = ..., gradient_buckets: _Optional[_Iterable[str]] = ..., samples_per_microbatch: _Optional[int] = ..., determinism_sha256: _Optional[str] = ..., digest_scheme: _Optional[str] = ..., reduce_pieces: _Optional[int] = ...) -> None: ...
 
 class Ready(_message.Message):
     __slots__ = ("param_sha256", "pid", "workload", "transfer_address", "transfer_tls_sha256")

@@ -11,9 +11,10 @@
 # a CPU build: on a GPU machine install a CUDA torch first, e.g. into .venv). What runs:
 #   1 GPU or more: the group tests that need CUDA (tests/unit/test_groups.py: a CUDA buffer
 #     through gloo's pinned staging, the NCCL group's reduce and its abort of a member
-#     whose peer never comes); 2 replicas of 1 rank on the GPU(s) (slot modulo the GPUs
-#     seen), the cross-replica group on gloo with CUDA buffers staged through pinned host
-#     memory:
+#     whose peer never comes; tests/unit/test_overlap.py: a reduction started during
+#     backward copies each piece after its kernels); 2 replicas of 1 rank on the GPU(s)
+#     (slot modulo the GPUs seen), the cross-replica group on gloo with CUDA buffers staged
+#     through pinned host memory:
 #     - exact: failure-free vs a replica killed in backward, whose restarted worker (forked
 #       from the agent's warm interpreter, CUDA first touched in the child) rejoins by state
 #       transfer; checkpoints of CUDA state written and exported (bitwise verdict);
@@ -51,7 +52,8 @@ if not cuda:
 "
 
 echo "== the cross-replica groups on the GPU (gloo staging through pinned memory, NCCL)"
-"$PY" -m pytest -q -rs -s -p no:cacheprovider tests/unit/test_groups.py tests/unit/test_executor_fake.py -k "cuda or nccl or gpu" \
+"$PY" -m pytest -q -rs -s -p no:cacheprovider tests/unit/test_groups.py tests/unit/test_executor_fake.py \
+  tests/unit/test_overlap.py -k "cuda or nccl or gpu" \
   || { echo "gpu_check: group tests failed"; FAILED=1; }
 
 # --compute-ms paces the steps (a sleep per microbatch) so that a restarted worker has

@@ -54,6 +54,7 @@ from recover.trainer.executor import StepExecutor
 from recover.trainer.faults import hooks_for
 from recover.trainer.gradients import GradientBuckets, GradientLayoutError
 from recover.trainer.lossscale import LossScale, make_scaler
+from recover.trainer.overlap import piece_bytes
 from recover.trainer.reduction import make_accumulator
 from recover.trainer.replica import Lockstep, ReplicaBroken, ReplicaRanks
 from recover.trainer.sources import as_source
@@ -265,7 +266,11 @@ def train(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                 job.reduce, reduced_buckets(grads, workload.model_buffers),
                 job.global_microbatches, proto.reduce_dtype or "grad",
                 loss_scaled_buckets=len(grads.buckets) if workload.loss_scaler else 0,
-                loss_scale=workload.loss_scaler.scale if workload.loss_scaler else 1.0)
+                loss_scale=workload.loss_scaler.scale if workload.loss_scaler else 1.0,
+                piece_bytes=piece_bytes(job.reduce, proto.reduce_after_backward,
+                                        workload.forward_backward is not None,
+                                        max(job.replica_size, 1),
+                                        proto.testing.overlap_piece_bytes))
         except (GradientLayoutError, ValueError) as exc:
             raise contract_error(str(exc), where="train") from None
         progress_file = os.environ.get("RECOVER_PROGRESS_FILE")
@@ -273,7 +278,8 @@ def train(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
         info = pb.WorkloadInfo(parameters=sum(p.numel() for p in workload.params),
                                gradient_buckets=grads.describe(),
                                samples_per_microbatch=workload.source.samples_per_microbatch or 0,
-                               digest_scheme=DIGEST_SCHEME)
+                               digest_scheme=DIGEST_SCHEME,
+                               reduce_pieces=len(accumulator.pieces))
         first_step = proto.resume.step if proto.resume.path else 0
         hooks = hooks_for(proto.testing, job.replica, channel.note_fault,
                           beacon.mark_killed if beacon is not None else None, job.replica_rank)

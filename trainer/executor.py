@@ -70,6 +70,8 @@ class StepExecutor(JoinSteps):
             return ended.shutdown
         finally:
             self._install_group(None)
+            if self.early is not None:
+                self.early.close()  # after the group: a collective in flight ends with it
             if self._digests is not None:
                 self._digests.close()
             close_source = getattr(self.workload.source, "close", None)
@@ -263,8 +265,13 @@ class StepExecutor(JoinSteps):
                                          recomputed=microbatch not in s.original,
                                          params=self.workload.params)
         self.accumulator.before_microbatch()
-        result = self.workload.compute(s.step, microbatch, points.before_backward,
-                                       last=position == len(s.assigned) - 1)
+        hooked = self._hook_reduction(position)
+        try:
+            result = self.workload.compute(s.step, microbatch, points.before_backward,
+                                           last=position == len(s.assigned) - 1)
+        finally:
+            if hooked:
+                self.early.unhook()
         points.after_backward()
         self.grads.repair_views()
         hooks.after_microbatch(s.step, position, count, self.grads)
@@ -277,17 +284,31 @@ class StepExecutor(JoinSteps):
         if s.open:
             self._report_progress(took)
 
+    def _hook_reduction(self, position: int) -> bool:
+        """Start reducing during this microbatch's backward if it is surely the replica's
+        last of the step (overlap.py): a closed plan, one process per replica."""
+        s, early, group = self.state, self.early, self.group
+        if early is None or s.open or self.lockstep is not None or position != len(s.assigned) - 1 \
+                or group is None or group.aborted:
+            return False
+        early.hook(group, s.step, position + 1)
+        return True
+
     def _reduce(self) -> None:
         s, group = self.state, self.group
         started = time.perf_counter()
         # Copies: an interrupted allreduce leaves its buffer partially reduced,
         # and the local accumulation must survive for the next generation.
-        buffers = self.accumulator.buffers()
+        hooked = self.early.take(group, s.step, len(s.done)) if self.early is not None else None
+        buffers = hooked.buffers if hooked is not None else self.accumulator.buffers()
         self.hooks.before_reduce(s.step)
         failure = None if group is not None else f"no group of generation {self.generation}"
         try:
-            for buffer in buffers if group is not None else []:
-                group.allreduce_sum_(buffer)
+            if hooked is not None and self.early is not None:
+                self.early.finish(hooked)  # its pieces started during the last backward
+            else:
+                for view in self.accumulator.schedule(buffers) if group is not None else []:
+                    group.allreduce_sum_(view)
         except CollectiveAborted as exc:
             failure = str(exc)
         reduced = self.accumulator.finish(buffers) if failure is None else None

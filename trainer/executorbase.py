@@ -26,10 +26,12 @@ from recover.trainer.checkpoint import CheckpointWriter, committed_digest
 from recover.trainer.checkpoint import load as load_checkpoint
 from recover.trainer.destinations import OwnTensors
 from recover.trainer.errors import contract_error
+from recover.trainer.fastreduce import FastAccumulator
 from recover.trainer.gradients import GradientBuckets
 from recover.trainer.groups import CrossReplicaGroup, GroupFactory, build_group
 from recover.trainer.hooks import StepHooks
 from recover.trainer.joining import Donation
+from recover.trainer.overlap import EarlyReduction
 from recover.trainer.reduction import Accumulator
 from recover.trainer.replica import Lockstep
 from recover.trainer.stepdigest import BackgroundDigests
@@ -52,6 +54,10 @@ class ExecutorBase(ABC):
         self.beacon = beacon
         self.grads = grads
         self.accumulator = accumulator
+        self.early: EarlyReduction | None = EarlyReduction(accumulator) \
+            if isinstance(accumulator, FastAccumulator) and accumulator.pieces else None
+        """Reduces the pieces of the gradient during the step's last backward (overlap.py);
+        None when the accumulator has no pieces (exact mode, a small model, turned off)."""
         self.hooks = hooks or StepHooks()
         """Fault injection and emulated compute when the job's testing config asks; no-ops else."""
         self.build_group = groups

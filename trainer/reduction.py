@@ -205,6 +205,13 @@ class ExactAccumulator:
             [self.loss_acc, self.count, self.overflow, self.nonfinite], dtype=torch.float64))
         return [buffer.clone() for buffer in self._reduced.values()]
 
+    pieces: tuple = ()
+    """No piece reduced early: each microbatch's integers are made after its backward."""
+
+    def schedule(self, out: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One collective per buffer."""
+        return out
+
     def finish(self, reduced: list[torch.Tensor]) -> Reduced:
         loss_acc, count, overflow, nonfinite = (int(v) for v in reduced[-1][-self.STATS:])
         divisor = max(count, 1)
@@ -277,13 +284,14 @@ Accumulator: TypeAlias = FastAccumulator | ExactAccumulator
 
 def make_accumulator(mode: str, grads: BucketSet, global_microbatches: int,
                      reduce_dtype: str = "grad", loss_scaled_buckets: int = 0,
-                     loss_scale: float = 1.0) -> Accumulator:
+                     loss_scale: float = 1.0, piece_bytes: int = 0) -> Accumulator:
     """`loss_scaled_buckets` (at `loss_scale` at first): see ExactAccumulator (a float sum
-    needs nothing: it simply is not finite)."""
+    needs nothing: it simply is not finite). `piece_bytes`: fast mode's pieces
+    (FastAccumulator)."""
     if mode == "exact":
         return ExactAccumulator(grads, global_microbatches, loss_scaled_buckets, loss_scale)
     if mode in ("fast", ""):
-        return FastAccumulator(grads, reduce_dtype or "grad")
+        return FastAccumulator(grads, reduce_dtype or "grad", piece_bytes)
     raise ValueError(f"unknown reduce mode {mode!r} (fast, exact)")
 
 

@@ -31,6 +31,9 @@ def main() -> None:
     parser.add_argument("-M", type=int, default=8)
     parser.add_argument("--microbatch-size", type=int, default=4)
     parser.add_argument("--backend", default="gloo")
+    parser.add_argument("--compute-ms", type=float, default=0.0,
+                        help="sleep this long after each microbatch's backward, as ReCoVer's "
+                             "--compute-ms (emulated accelerator time)")
     args = parser.parse_args()
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -52,6 +55,8 @@ def main() -> None:
             with context:
                 loss = cross_entropy(ddp(batch[:, :-1]), batch[:, 1:]) / args.M
                 loss.backward()
+            if args.compute_ms:
+                time.sleep(args.compute_ms / 1000)
         optimizer.step()
         if cuda:
             torch.cuda.synchronize(device)

@@ -225,8 +225,8 @@ def mlp() -> nn.Module:
 def replica_executor(replica: int, reduce: str, channel: FakeChannel, rendezvous: FakeRendezvous,
                      faults: list[pb.FaultSpec], slowdowns: list[pb.SlowdownSpec],
                      sleep: Any, build: Callable[[], nn.Module] = mlp,
-                     buffers: str = "reduce", source_of: Callable[[], Any] | None = None
-                     ) -> StepExecutor:
+                     buffers: str = "reduce", source_of: Callable[[], Any] | None = None,
+                     piece_bytes: int = 0) -> StepExecutor:
     torch.manual_seed(SEED)  # every replica builds the same model (on the test's thread)
     model = build()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -240,7 +240,8 @@ def replica_executor(replica: int, reduce: str, channel: FakeChannel, rendezvous
     hooks = FaultHooks(FaultInjector(faults, replica, channel.note_fault, kill=die),
                        slowdown=SlowdownSchedule(slowdowns, replica), sleep=sleep)
     return StepExecutor(job, replica, channel, workload, grads,
-                        make_accumulator(reduce, reduced_buckets(grads, workload.model_buffers), M),
+                        make_accumulator(reduce, reduced_buckets(grads, workload.model_buffers), M,
+                                         piece_bytes=piece_bytes),
                         hooks=hooks, groups=rendezvous)
 
 
@@ -251,7 +252,8 @@ def train(reduce: str = "exact", faults: tuple[pb.FaultSpec, ...] = (), hold: se
           background_digests: bool | None = None,
           source_of: Callable[[], Any] | None = None,
           controller_of: Callable[..., FakeController] = FakeController,
-          prepare: Callable[[dict[int, StepExecutor]], None] | None = None) -> Run:
+          prepare: Callable[[dict[int, StepExecutor]], None] | None = None,
+          piece_bytes: int = 0) -> Run:
     """Train STEPS steps with REPLICAS replica threads; returns when every thread ended.
     `controller_of` makes the fake controller; `prepare` may change the executors first."""
     controller = controller_of(list(range(REPLICAS)), hold=set(hold or ()))
@@ -263,7 +265,7 @@ def train(reduce: str = "exact", faults: tuple[pb.FaultSpec, ...] = (), hold: se
         controller.channels[replica] = FakeChannel(replica, controller.events)
         executors[replica] = replica_executor(replica, reduce, controller.channels[replica],
                                               rendezvous, list(faults), list(slowdowns), sleep,
-                                              build, buffers, source_of)
+                                              build, buffers, source_of, piece_bytes)
         executors[replica].background_digests = background_digests
     if prepare is not None:
         prepare(executors)

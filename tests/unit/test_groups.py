@@ -171,6 +171,25 @@ def test_a_piece_that_fails_leaves_the_later_pieces_alone_and_every_piece_is_wai
     assert len(staging) == 0  # the staging tensor the failed reduction wrote is dropped
 
 
+def test_buffers_of_one_shape_in_flight_together_each_have_a_host_copy_kept_for_next_time() -> None:
+    # overlap.py starts several pieces before waiting for the first; pieces of one size
+    # must not share a staging tensor, and each is cached for the next step's.
+    reduction = PiecewiseReduction()
+    staging = HostStaging()
+    buffers = [torch.full((6,), float(i)) for i in range(3)]
+    waits = [staging.start(b, reduction.start) for b in buffers]
+    assert len({p.data_ptr() for p in reduction.pieces}) == 3
+    for wait in waits:
+        wait()
+    assert [float(b[0]) for b in buffers] == [0.0, 10.0, 20.0]
+    assert len(staging) == 3
+    again = PiecewiseReduction()
+    waits = [staging.start(b, again.start) for b in buffers]
+    for wait in waits:
+        wait()
+    assert {p.data_ptr() for p in again.pieces} == {p.data_ptr() for p in reduction.pieces}
+
+
 def test_host_buffers_are_reduced_in_place_and_the_cache_is_bounded() -> None:
     buffer = torch.ones(3)
     staged_reduce(buffer, blocking(lambda host: host.add_(1)))
@@ -214,7 +233,8 @@ def test_the_gloo_group_reduces_a_cuda_buffer_through_pinned_memory() -> None:
     staging = one_member_gloo(buffer, force_staging=False)
     assert torch.equal(buffer, expected) and len(staging) == 1
     ((_, _, pinned),) = staging._cache.keys()
-    assert pinned and next(iter(staging._cache.values())).is_pinned()
+    ((host,),) = staging._cache.values()
+    assert pinned and host.is_pinned()
 
 
 needs_nccl = pytest.mark.skipif(not nccl_available(),

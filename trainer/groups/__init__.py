@@ -90,6 +90,13 @@ class CrossReplicaGroup(Protocol):
         callers pass a copy of what they must keep."""
         ...
 
+    def start_allreduce_sum_(self, buffer: torch.Tensor) -> Callable[[], None]:
+        """allreduce_sum_ in two halves: start it, and wait for it with what it returns
+        (which raises CollectiveAborted as allreduce_sum_ would). Several may be in flight;
+        they are issued, and must be waited for, in order. A backend without asynchronous
+        collectives reduces here and returns a wait with nothing left to do."""
+        ...
+
     def abort(self) -> None:
         """Thread-safe, idempotent, returns within milliseconds; fails a connect() or
         allreduce_sum_() blocked in another thread, and every later call."""

@@ -216,11 +216,19 @@ class FakeGroup:
     def allreduce_sum_(self, buffer: torch.Tensor) -> None:
         self.world._allreduce(self, buffer)
 
+    def start_allreduce_sum_(self, buffer: torch.Tensor) -> Callable[[], None]:
+        self.world._allreduce(self, buffer)  # synchronous: nothing left to wait for
+        return _done
+
     def abort(self) -> None:
         self.world._abort(self)
 
     def close(self) -> None:
         self.world._abort(self)  # a member that leaves is, to the others, a member gone
+
+
+def _done() -> None:
+    pass
 
 
 class FakeRendezvous:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from recover.common.netaddr import local_address_towards
 from recover.trainer.groups import CollectiveAborted, GroupSpec, graveyard
-from recover.trainer.groups.staging import HostStaging, staged_reduce
+from recover.trainer.groups.staging import HostStaging, staged_start
 
 __all__ = ["GenerationGroup", "RendezvousServer", "exclude_sockets", "gloo_devices",
            "include_sockets"]
@@ -270,9 +270,14 @@ class GenerationGroup:
 
         After a failure the buffer may be partially reduced: callers pass a copy.
         """
+        self.start_allreduce_sum_(buffer)()
+
+    def start_allreduce_sum_(self, buffer: torch.Tensor) -> Callable[[], None]:
+        """`allreduce_sum_` started (a device buffer's copy to the host done), its wait
+        returned: several in flight at once complete in the order started."""
         if not buffer.is_contiguous():
             raise ValueError("allreduce_sum_ needs a contiguous tensor")
-        staged_reduce(buffer, self._start_allreduce, self._staging, self._force_staging)
+        return staged_start(buffer, self._start_allreduce, self._staging, self._force_staging)
 
     def _start_allreduce(self, host: torch.Tensor) -> Callable[[], None]:
         """Start reducing a host tensor; the returned function waits for it. Collectives

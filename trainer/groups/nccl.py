@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -120,6 +121,12 @@ class NcclGroup:
             raise CollectiveAborted(error)
         self._check()
 
+    def start_allreduce_sum_(self, buffer: torch.Tensor) -> Callable[[], None]:
+        """Reduced at once (NCCL's own stream runs it beside the compute already); the wait
+        returned has nothing left to do."""
+        self.allreduce_sum_(buffer)
+        return _done
+
     def abort(self) -> None:
         """Thread-safe and idempotent: `ProcessGroupNCCL.abort()` ends the communicator's
         pending work (non-blocking communicators), without waiting for the peers."""
@@ -145,3 +152,7 @@ class NcclGroup:
                 pass
         self._aborted = True
         del pg, store
+
+
+def _done() -> None:
+    pass

@@ -45,9 +45,11 @@ MIN_PIECES = 4
 latency, and at 25 MB pieces measured no better than one copy each way (BENCHMARKS.md
 section 13)."""
 
-MAX_CACHED = 8
-"""Staging tensors kept: a model has one bucket per (device, dtype), so a handful at most;
-the bound only stops a caller with ever-changing shapes from growing it without end."""
+MAX_CACHED = 256
+"""Staging tensors kept: a model has one reduce buffer per (device, dtype), and the pieces
+reduced during the last backward (overlap.py: 25 MB each, 8 for a 50M-parameter float32
+gradient, 160 for 1B) are one more each; the bound only stops a caller with ever-changing
+shapes from growing it without end."""
 
 
 def needs_staging(buffer: torch.Tensor) -> bool:
@@ -76,25 +78,34 @@ class HostStaging:
         """The size of the pieces reduced one after the other (a huge value: the whole
         buffer at once, as before the pipelining; the benchmark compares the two)."""
         self._lock = threading.Lock()
-        self._cache: OrderedDict[_Key, torch.Tensor] = OrderedDict()
+        self._cache: OrderedDict[_Key, list[torch.Tensor]] = OrderedDict()
+        """Free host tensors by shape: several of one shape when pieces of one size are in
+        flight together (overlap.py), the least recently used shape dropped first."""
 
     def __len__(self) -> int:
-        return len(self._cache)
+        return sum(map(len, self._cache.values()))
 
     def _take(self, buffer: torch.Tensor) -> tuple[_Key, torch.Tensor]:
         pin = buffer.device.type == "cuda"
         key = (tuple(buffer.shape), buffer.dtype, pin)
         with self._lock:
-            host = self._cache.pop(key, None)
+            free = self._cache.get(key)
+            host = free.pop() if free else None
+            if free is not None and not free:
+                del self._cache[key]
         if host is None:
             host = torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=pin)
         return key, host
 
     def _give_back(self, key: _Key, host: torch.Tensor) -> None:
         with self._lock:
-            self._cache[key] = host
-            while len(self._cache) > MAX_CACHED:
-                self._cache.popitem(last=False)
+            self._cache.setdefault(key, []).append(host)
+            self._cache.move_to_end(key)
+            while sum(map(len, self._cache.values())) > MAX_CACHED:
+                oldest = next(iter(self._cache))
+                self._cache[oldest].pop(0)
+                if not self._cache[oldest]:
+                    del self._cache[oldest]
 
     def reduce(self, buffer: torch.Tensor, start_reduce: StartReduce) -> None:
         """Copy `buffer` to the host piece by piece, reduce each piece there as soon as it has
@@ -104,6 +115,13 @@ class HostStaging:
         partly reduced buffer, as the group's contract allows: callers pass copies), the
         others are left as they were, the staging tensor is dropped and the error raised.
         """
+        self.start(buffer, start_reduce)()
+
+    def start(self, buffer: torch.Tensor, start_reduce: StartReduce) -> Wait:
+        """`reduce` in two halves: copy `buffer` to the host and start reducing its pieces
+        (returns once the last is started), then, in what this returns, wait for each and
+        copy it back. Several buffers may be started before the first is waited for (the
+        pieces of overlap.py); call the waits in the order started, on the same stream."""
         key, host = self._take(buffer)
         pinned = key[2]  # pinned host memory: both copies may be asynchronous
         per_piece = max(self.piece_bytes // buffer.element_size(), 1)
@@ -113,6 +131,14 @@ class HostStaging:
                           strict=True))
         waits: list[Wait] = []
         finished = 0
+
+        def drain() -> None:
+            for wait in waits[finished:]:  # the group is aborted by now: each ends at once
+                try:
+                    wait()
+                except Exception:  # noqa: BLE001,S110 (the first failure is the one raised)
+                    pass
+
         try:
             for device_piece, host_piece in pieces:
                 # The buffer was produced on the current stream: the copy is queued behind it,
@@ -121,21 +147,26 @@ class HostStaging:
                 host_piece.copy_(device_piece, non_blocking=pinned)
                 _synchronize(buffer.device)
                 waits.append(start_reduce(host_piece))
-            for (device_piece, host_piece), wait in zip(pieces, waits, strict=True):
-                finished += 1
-                wait()
-                device_piece.copy_(host_piece, non_blocking=pinned)
         except BaseException:
-            for wait in waits[finished:]:  # the group is aborted by now: each ends at once
-                try:
-                    wait()
-                except Exception:  # noqa: BLE001,S110 (the first failure is the one raised)
-                    pass
+            drain()
             raise
-        # Also wait for the copies back: the host tensor is reused by the next reduce, and the
-        # caller may read `buffer` from another stream or the host right away.
-        _synchronize(buffer.device)
-        self._give_back(key, host)
+
+        def wait() -> None:
+            nonlocal finished
+            try:
+                for (device_piece, host_piece), piece_wait in zip(pieces, waits, strict=True):
+                    finished += 1
+                    piece_wait()
+                    device_piece.copy_(host_piece, non_blocking=pinned)
+            except BaseException:
+                drain()
+                raise
+            # Also wait for the copies back: the host tensor is reused by the next reduce,
+            # and the caller may read `buffer` from another stream or the host right away.
+            _synchronize(buffer.device)
+            self._give_back(key, host)
+
+        return wait
 
     def clear(self) -> None:
         with self._lock:
@@ -155,10 +186,15 @@ def staged_reduce(buffer: torch.Tensor, start_reduce: StartReduce,
                   staging: HostStaging | None = None, force: bool = False) -> None:
     """Reduce `buffer` with a host-only reduction: in place when it is a host tensor,
     through host copies when it lives on a device (or when `force`, to test that path)."""
+    staged_start(buffer, start_reduce, staging, force)()
+
+
+def staged_start(buffer: torch.Tensor, start_reduce: StartReduce,
+                 staging: HostStaging | None = None, force: bool = False) -> Wait:
+    """`staged_reduce` started: what it returns waits for the result (HostStaging.start)."""
     if not (force or needs_staging(buffer)):
-        start_reduce(buffer)()
-        return
-    (staging if staging is not None else _SHARED).reduce(buffer, start_reduce)
+        return start_reduce(buffer)
+    return (staging if staging is not None else _SHARED).start(buffer, start_reduce)
 
 
 def blocking(reduce_host: Callable[[torch.Tensor], None]) -> StartReduce:
