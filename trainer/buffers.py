@@ -77,7 +77,8 @@ class _Tracked:
         """Make the model hold `live` (again): its value is whatever the model holds now."""
         current = self.module._buffers[self.key]
         if current is not self.live:
-            self.live.copy_(self.checked(current))
+            with torch.no_grad():  # a tensor computed from parameters must not enter a graph
+                self.live.copy_(self.checked(current))
         for module, key in ((self.module, self.key), *self.aliases):
             module._buffers[key] = self.live
 
@@ -114,11 +115,14 @@ class _Group:
             offset += n
         for t in self.tracked:
             t.adopt()
+        self._held = [(t.module._buffers, t.key, t.live, t) for t in self.tracked]
+        """Each buffer's module dict, key and view: what `_adopt_replaced` checks, every
+        microbatch."""
 
     def _adopt_replaced(self) -> None:
         """A module may have assigned a new tensor instead of updating its own in place."""
-        for t in self.tracked:
-            if t.module._buffers[t.key] is not t.live:
+        for held, key, live, t in self._held:
+            if held[key] is not live:
                 t.adopt()
 
     def restore(self) -> None:
@@ -181,9 +185,10 @@ class ModelBuffers:
     def capture(self) -> None:
         """After a microbatch: add its delta into the buckets, then restore the committed values,
         so that the model between microbatches (what a donor snapshots) holds committed state."""
-        with torch.no_grad():
-            for group in self._groups:
-                group.capture()
+        # No no_grad(): buffers never require grad, so nothing here is recorded, and
+        # entering it costs more than the ops after a backward (bench/scripts/buffers_micro.py).
+        for group in self._groups:
+            group.capture()
 
     def commit(self, means: Sequence[torch.Tensor]) -> None:
         """Apply a committed step's mean deltas (one tensor per bucket): before + sum / M."""

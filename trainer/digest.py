@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Executor
@@ -19,21 +20,34 @@ result as on one: a single sha256 stream over 200 MB took longer than a GPU step
 CHUNK_BYTES = 16 << 20
 
 
-_NUMPY_VIEWS = (torch.float32, torch.float64, torch.float16, torch.int64, torch.int32,
-                torch.int16, torch.int8, torch.uint8, torch.bool)
+_NUMPY_VIEWS = frozenset((torch.float32, torch.float64, torch.float16, torch.int64, torch.int32,
+                          torch.int16, torch.int8, torch.uint8, torch.bool))
 """Dtypes numpy can view in place (bfloat16 is not one)."""
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+"""Types that are never sharded: no `to_local` to look up."""
 
-def _header_and_bytes(name: str, tensor: torch.Tensor) -> tuple[str, memoryview]:
-    tensor = local_part(tensor)
+
+@functools.lru_cache(maxsize=65536)
+def _header(name: str, dtype: torch.dtype, shape: torch.Size, nbytes: int) -> bytes:
+    """A tensor's header in the digest. The same few hundred tensors are hashed every step:
+    made once each (formatting it cost as much as hashing a small tensor's bytes)."""
+    return f"{name}|{dtype}|{tuple(shape)}|{nbytes}|".encode()
+
+
+def _header_and_bytes(name: str, tensor: torch.Tensor) -> tuple[bytes, memoryview]:
+    if type(tensor) not in _PLAIN:
+        tensor = local_part(tensor)
     if tensor.is_cpu and tensor.dtype in _NUMPY_VIEWS and tensor.is_contiguous():
         # The same bytes through numpy: one or two torch ops instead of six. Every parameter and
         # buffer is hashed every step, and each op costs a few microseconds.
         array = (tensor.detach() if tensor.requires_grad else tensor).numpy()
-        return f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|", memoryview(array).cast("B")
+        raw = memoryview(array).cast("B")
+        return _header(name, tensor.dtype, tensor.shape, len(raw)), raw
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     # Viewing as uint8 lets numpy expose the buffer for any dtype (bfloat16 included).
-    return f"{name}|{flat.dtype}|{tuple(tensor.shape)}|", memoryview(flat.view(torch.uint8).numpy())
+    raw = memoryview(flat.view(torch.uint8).numpy())
+    return _header(name, flat.dtype, tensor.shape, len(raw)), raw
 
 
 def _sha256(chunk: memoryview) -> bytes:
@@ -47,7 +61,11 @@ def tensor_digest(named: Iterable[tuple[str, torch.Tensor]], pool: Executor | No
     headers, chunks, counts = [], [], []
     for name, tensor in named:
         header, raw = _header_and_bytes(name, tensor)
-        headers.append(f"{header}{len(raw)}|".encode())
+        headers.append(header)
+        if 0 < len(raw) <= CHUNK_BYTES:  # one chunk (an empty tensor has none)
+            chunks.append(raw)
+            counts.append(1)
+            continue
         pieces = [raw[at:at + CHUNK_BYTES] for at in range(0, len(raw), CHUNK_BYTES)]
         chunks.extend(pieces)
         counts.append(len(pieces))
@@ -67,7 +85,7 @@ def legacy_tensor_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     h = hashlib.sha256()
     for name, tensor in named:
         header, raw = _header_and_bytes(name, tensor)
-        h.update(header.encode())
+        h.update(header.rsplit(b"|", 2)[0] + b"|")  # this scheme's header had no byte count
         h.update(raw)
     return h.hexdigest()
 

@@ -71,6 +71,8 @@ class _ExactBucket:
         # float64 needs no widening: it is already the accumulator's dtype.
         self.wide = None if self.scale_dtype == torch.float64 else torch.empty_like(self.sum)
         self.scale = torch.empty(0)
+        self.filled: list[int | None] = []
+        """The exponent each tensor's range of `scale` holds (None: not filled yet)."""
 
 
 class ExactAccumulator:
@@ -132,13 +134,19 @@ class ExactAccumulator:
             # building it on the host and copying it over cost a bucket-sized transfer
             # every step (a suspect of exact mode's 0.3 s per step at 50M parameters on a
             # GPU), and a fill in place is also faster on the CPU than pieces and a cat.
-            scale = torch.empty(part.bucket.numel, dtype=part.scale_dtype,
-                                device=part.bucket.device)
+            # Only the tensors whose exponent changed: most keep theirs from step to step,
+            # and each fill is an op (a few microseconds on a small tensor).
+            exponents = self._exponents_now(base)
+            if len(part.filled) != len(exponents):  # the first time
+                part.scale = torch.empty(part.bucket.numel, dtype=part.scale_dtype,
+                                         device=part.bucket.device)
+                part.filled = [None] * len(exponents)
             offset = 0
-            for n, e in zip(part.bucket.sizes, self._exponents_now(base), strict=True):
-                scale[offset:offset + n].fill_(2.0 ** e)
+            for index, (n, e) in enumerate(zip(part.bucket.sizes, exponents, strict=True)):
+                if part.filled[index] != e:
+                    part.scale[offset:offset + n].fill_(2.0 ** e)
+                    part.filled[index] = e
                 offset += n
-            part.scale = scale
 
     def reset(self, scale_epoch: int = 0) -> None:
         if scale_epoch != self.scale_epoch:
@@ -238,14 +246,9 @@ class ExactAccumulator:
         predicted = []
         for part, mean, previous in zip(self._parts, means, self._base_exponents, strict=True):
             exponents = []
-            offset = 0
-            for n, before in zip(part.bucket.sizes, previous, strict=True):
-                # |x| max as max(-min, max): one pass, no temporary |x| copy of the tensor.
-                low, high = torch.aminmax(mean[offset:offset + n]) if n else (0.0, 0.0)
-                peak = max(-float(low), float(high))
+            for peak, before in zip(_peaks(mean, part.bucket.sizes), previous, strict=True):
                 # A non-finite peak has no meaningful scale: keep the previous prediction.
                 exponents.append(self._exponent(peak) if math.isfinite(peak) else before)
-                offset += n
             predicted.append(exponents)
         self._base_exponents = predicted
         self.scale_epoch = 0
@@ -277,6 +280,18 @@ class ExactAccumulator:
         self._base_exponents = exponents
         self.scale_epoch = 0
         self._rescale()
+
+
+def _peaks(mean: torch.Tensor, sizes: list[int]) -> list[float]:
+    """Each tensor's max |x| in a bucket's committed mean (NaN where it is not finite)."""
+    peaks, offset = [], 0
+    for n in sizes:
+        # |x| max as max(-min, max): one pass, no temporary |x| copy of the tensor.
+        low, high = torch.aminmax(mean[offset:offset + n]) if n else (0.0, 0.0)
+        peak = max(-float(low), float(high))
+        peaks.append(peak if math.isfinite(peak) else math.nan)
+        offset += n
+    return peaks
 
 
 Accumulator: TypeAlias = FastAccumulator | ExactAccumulator

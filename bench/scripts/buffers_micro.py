@@ -83,7 +83,12 @@ class Replica:
             self.acc.after_microbatch(result.loss)
         reduced = self.acc.buffers()  # what the allreduce would carry
         self.reduce_bytes = sum(b.numel() * b.element_size() for b in reduced)
-        self.workload.apply(self.grads, self.acc.finish(reduced).grads)
+        means = self.acc.finish(reduced).grads
+        applied = self.workload.apply(self.grads, means)
+        # What the executor's _apply does next: exact mode predicts the next step's scales
+        # from the committed mean (the buffers' tensors too).
+        self.acc.observe_committed(means)
+        self.acc.loss_scale_changed(applied.loss_scale_factor)
         self.workload.digest()  # every step's proof, the buffers in it too
         self.step_no += 1
 

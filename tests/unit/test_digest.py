@@ -48,6 +48,11 @@ def test_the_digest_is_per_chunk_sha256_as_documented(small_chunks: int) -> None
     for at in range(0, 160, small_chunks):
         h.update(hashlib.sha256(raw[at:at + small_chunks]).digest())
     assert tensor_digest([("x", t)]) == h.hexdigest()
+    # A tensor of one chunk has its one sha256; an empty one its header alone.
+    one = torch.arange(4, dtype=torch.int64)
+    h = hashlib.sha256(b"y|torch.int64|(4,)|32|" + hashlib.sha256(one.numpy().tobytes()).digest())
+    h.update(b"e|torch.float32|(0,)|0|")
+    assert tensor_digest([("y", one), ("e", torch.zeros(0))]) == h.hexdigest()
 
 
 @pytest.mark.parametrize("change", ["value", "name", "dtype", "shape", "chunk-order"])

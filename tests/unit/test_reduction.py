@@ -23,6 +23,7 @@ from recover.trainer.reduction import (
 
 torch.set_num_threads(1)
 
+
 M = 12
 SIZES = (7, 5, 64, 3, 33)
 SHAPES = ((7,), (5,), (8, 8), (3,), (3, 11))
@@ -343,6 +344,30 @@ def test_observe_committed_predicts_per_tensor_exponents():
     small, large = scales[0], scales[2]
     assert all(s == small for i, s in enumerate(scales) if i != 2)
     assert math.log2(small / large) in (9, 10), scales  # 1000 ~ 2**9.97
+
+
+def test_halves_round_to_even_and_only_changed_scales_are_refilled():
+    flat = FlatGradients(make_params())
+    acc = ExactAccumulator(flat, M)
+    acc.observe_committed([torch.full((sum(SIZES),), 1e-3)])
+    exponents = list(acc._parts[0].filled)
+    # A new mean changes one tensor's exponent: the scale is what a full refill gives.
+    mean = torch.full((sum(SIZES),), 1e-3)
+    mean[SIZES[0]:SIZES[0] + SIZES[1]] = 1.0
+    acc.observe_committed([mean])
+    assert acc._parts[0].filled[1] != exponents[1]
+    assert [e for i, e in enumerate(acc._parts[0].filled) if i != 1] == \
+        [e for i, e in enumerate(exponents) if i != 1]
+    refilled = torch.cat([torch.full((n,), 2.0 ** e) for n, e in zip(SIZES, acc._parts[0].filled,
+                                                                     strict=True)])
+    assert torch.equal(acc._parts[0].scale, refilled)
+    acc.reset()
+    halves = torch.tensor([-1.5, -0.5, 0.5, 1.5, 2.5])
+    g = torch.cat([halves.repeat(n)[:n] * 2.0 ** -e
+                   for n, e in zip(SIZES, acc._parts[0].filled, strict=True)])
+    one_replica(acc, flat, g)
+    expected = torch.cat([torch.tensor([-2.0, -0.0, 0.0, 2.0, 2.0]).repeat(n)[:n] for n in SIZES])
+    assert torch.equal(acc.buffers()[0][:sum(SIZES)], expected)
 
 
 def test_make_accumulator():
