@@ -279,6 +279,11 @@ SETTINGS: tuple[Setting, ...] = (
             check=lambda v, a: None if a.reduce != "exact" or v == "grad" else (
                 "--reduce-dtype applies to --reduce fast (exact reduction is integer fixed "
                 "point whatever the gradient dtype)")),
+    Setting("--group-backend", "group_backend", choices=("gloo", "nccl"), default="gloo",
+            absent_is_default=True,
+            help="the cross-replica groups: gloo (default; GPU gradients staged through pinned "
+                 "host memory) or nccl (GPU gradients reduced on the GPUs: every replica's "
+                 "model on a GPU of its own)"),
     Setting("--overlap-reduce", "reduce_after_backward", action="toggle",
             help="fast mode: reduce a large gradient in pieces of 25 MB, each started as soon "
                  "as the step's last backward has produced it, as DDP does (default); "

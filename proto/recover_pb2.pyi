@@ -55,7 +55,7 @@ class TestingConfig(_message.Message):
     def __init__(self, faults: _Optional[_Iterable[_Union[FaultSpec, _Mapping]]] = ..., compute_ms: _Optional[float] = ..., slowdowns: _Optional[_Iterable[_Union[SlowdownSpec, _Mapping]]] = ..., overlap_piece_bytes: _Optional[int] = ...) -> None: ...
 
 class JobConfig(_message.Message):
-    __slots__ = ("job_id", "replicas", "steps", "global_microbatches", "seed", "reduce", "group_timeout_s", "policy", "hang_timeout_s", "hang_factor", "first_microbatch_grace_s", "workload", "testing", "reduce_dtype", "check_determinism", "skip_batch_check", "record_sample_ids", "min_replicas", "spares", "checkpoint", "resume", "ranks_per_replica", "work_stealing", "reduce_after_backward")
+    __slots__ = ("job_id", "replicas", "steps", "global_microbatches", "seed", "reduce", "group_timeout_s", "policy", "hang_timeout_s", "hang_factor", "first_microbatch_grace_s", "workload", "testing", "reduce_dtype", "check_determinism", "skip_batch_check", "record_sample_ids", "min_replicas", "spares", "checkpoint", "resume", "ranks_per_replica", "work_stealing", "reduce_after_backward", "group_backend")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,7 @@ class JobConfig(_message.Message):
     RANKS_PER_REPLICA_FIELD_NUMBER: _ClassVar[int]
     WORK_STEALING_FIELD_NUMBER: _ClassVar[int]
     REDUCE_AFTER_BACKWARD_FIELD_NUMBER: _ClassVar[int]
+    GROUP_BACKEND_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     replicas: int
     steps: int
@@ -104,7 +105,8 @@ class JobConfig(_message.Message):
     ranks_per_replica: int
     work_stealing: bool
     reduce_after_backward: bool
-    def __init__(self, job_id: _Optional[str] = ..., replicas: _Optional[int] = ..., steps: _Optional[int] = ..., global_microbatches: _Optional[int] = ..., seed: _Optional[int] = ..., reduce: _Optional[str] = ..., group_timeout_s: _Optional[float] = ..., policy: _Optional[str] = ..., hang_timeout_s: _Optional[float] = ..., hang_factor: _Optional[float] = ..., first_microbatch_grace_s: _Optional[float] = ..., workload: _Optional[_Union[WorkloadSpec, _Mapping]] = ..., testing: _Optional[_Union[TestingConfig, _Mapping]] = ..., reduce_dtype: _Optional[str] = ..., check_determinism: _Optional[bool] = ..., skip_batch_check: _Optional[bool] = ..., record_sample_ids: _Optional[bool] = ..., min_replicas: _Optional[int] = ..., spares: _Optional[int] = ..., checkpoint: _Optional[_Union[CheckpointConfig, _Mapping]] = ..., resume: _Optional[_Union[ResumePoint, _Mapping]] = ..., ranks_per_replica: _Optional[int] = ..., work_stealing: _Optional[bool] = ..., reduce_after_backward: _Optional[bool] = ...) -> None: ...
+    group_backend: str
+    def __init__(self, job_id: _Optional[str] = ..., replicas: _Optional[int] = ..., steps: _Optional[int] = ..., global_microbatches: _Optional[int] = ..., seed: _Optional[int] = ..., reduce: _Optional[str] = ..., group_timeout_s: _Optional[float] = ..., policy: _Optional[str] = ..., hang_timeout_s: _Optional[float] = ..., hang_factor: _Optional[float] = ..., first_microbatch_grace_s: _Optional[float] = ..., workload: _Optional[_Union[WorkloadSpec, _Mapping]] = ..., testing: _Optional[_Union[TestingConfig, _Mapping]] = ..., reduce_dtype: _Optional[str] = ..., check_determinism: _Optional[bool] = ..., skip_batch_check: _Optional[bool] = ..., record_sample_ids: _Optional[bool] = ..., min_replicas: _Optional[int] = ..., spares: _Optional[int] = ..., checkpoint: _Optional[_Union[CheckpointConfig, _Mapping]] = ..., resume: _Optional[_Union[ResumePoint, _Mapping]] = ..., ranks_per_replica: _Optional[int] = ..., work_stealing: _Optional[bool] = ..., reduce_after_backward: _Optional[bool] = ..., group_backend: _Optional[str] = ...) -> None: ...
 
 class CheckpointConfig(_message.Message):
     __slots__ = ("dir", "every_steps", "every_s", "keep")

@@ -24,6 +24,9 @@
 #       verdict, buffers included);
 #     - fp16 autocast with ReCoVer's loss scaling (examples/porting.py), exact, through a
 #       kill (bitwise verdict).
+#   2 GPUs or more: also the cross-replica group on NCCL (--group-backend nccl), a replica
+#     per GPU: exact failure-free vs a replica killed in backward (bitwise verdict), and fast
+#     with the reduction's pieces started during backward, killed the same way.
 #   4 GPUs or more: also HSDP 2x2 (FSDP2 on each replica's own group: NCCL for CUDA
 #     tensors) exact, failure-free vs a rank killed in backward.
 set -uo pipefail  # each check reports and the next one runs; the exit status says if any failed
@@ -106,6 +109,21 @@ run fp16-ref --replicas 2 --reduce exact "${JOB[@]}" -- python examples/porting.
 run fp16-killed --replicas 2 --reduce exact "${JOB[@]}" --kill step=3,replica=1,phase=backward \
   -- python examples/porting.py "${FP16[@]}"
 verdict fp16-ref fp16-killed
+
+if [ "$GPUS" -ge 2 ]; then
+  # One agent: its slots 0 and 1 are GPUs 0 and 1 (two agents would both be slot 0, one GPU,
+  # which NCCL refuses to share).
+  echo "== 2 replicas on 2 GPUs, the cross-replica group on NCCL (--group-backend nccl)"
+  NCCL=(--replicas 2 --agents 1 --group-backend nccl)
+  run nccl-ref "${NCCL[@]}" --reduce exact "${JOB[@]}" -- python examples/hsdp.py
+  run nccl-killed "${NCCL[@]}" --reduce exact "${JOB[@]}" --kill step=3,replica=1,phase=backward \
+    -- python examples/hsdp.py
+  verdict nccl-ref nccl-killed
+  run nccl-fast "${NCCL[@]}" "${JOB[@]}" --overlap-piece-kb 64 --kill step=3,replica=1,phase=backward \
+    -- python examples/hsdp.py
+else
+  echo "== NCCL in a job skipped: it needs 2 GPUs (one per replica), $GPUS seen"
+fi
 
 if [ "$GPUS" -ge 4 ]; then
   echo "== HSDP 2 replicas x 2 ranks (FSDP2 over NCCL inside each replica), exact"

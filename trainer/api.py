@@ -53,6 +53,7 @@ from recover.trainer.errors import WorkloadError, contract_error
 from recover.trainer.executor import StepExecutor
 from recover.trainer.faults import hooks_for
 from recover.trainer.gradients import GradientBuckets, GradientLayoutError
+from recover.trainer.groups import group_factory
 from recover.trainer.lossscale import LossScale, make_scaler
 from recover.trainer.overlap import piece_bytes
 from recover.trainer.reduction import make_accumulator
@@ -262,15 +263,15 @@ def train(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
             log.warning("%s", workload.buffer_warning, extra={"replica": job.replica})
         try:
             grads = GradientBuckets(workload.params)
+            reduced = reduced_buckets(grads, workload.model_buffers)
+            groups = group_factory(proto.group_backend, [b.device for b in reduced.buckets])
             accumulator = make_accumulator(
-                job.reduce, reduced_buckets(grads, workload.model_buffers),
-                job.global_microbatches, proto.reduce_dtype or "grad",
+                job.reduce, reduced, job.global_microbatches, proto.reduce_dtype or "grad",
                 loss_scaled_buckets=len(grads.buckets) if workload.loss_scaler else 0,
                 loss_scale=workload.loss_scaler.scale if workload.loss_scaler else 1.0,
                 piece_bytes=piece_bytes(job.reduce, proto.reduce_after_backward,
                                         workload.forward_backward is not None,
-                                        max(job.replica_size, 1),
-                                        proto.testing.overlap_piece_bytes))
+                                        max(job.replica_size, 1), proto.testing.overlap_piece_bytes))
         except (GradientLayoutError, ValueError) as exc:
             raise contract_error(str(exc), where="train") from None
         progress_file = os.environ.get("RECOVER_PROGRESS_FILE")
@@ -285,7 +286,7 @@ def train(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                           beacon.mark_killed if beacon is not None else None, job.replica_rank)
         executor = StepExecutor(proto, job.replica, channel, workload, grads, accumulator,
                                 first_step=first_step, beacon=beacon, listener=listener,
-                                hooks=hooks)
+                                hooks=hooks, groups=groups)
         executor.lockstep = lockstep
         if proto.resume.path:
             executor.resume = proto.resume  # loaded at the first generation, if no donor's first

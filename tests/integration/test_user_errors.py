@@ -36,6 +36,10 @@ def failed_line(stderr: str) -> str:
     pytest.param("random-batch", [],
                  "determinism check failed: the batch of microbatch 0 of step 0 differed "
                  "between two loads", id="random-batch-in-fast-mode"),
+    # A setting the workers cannot honour (no GPU, or a model on the CPU): refused at start,
+    # not at the first reduce; the unit tests check each reason (test_groups.py).
+    pytest.param("none", ["--group-backend", "nccl"], "use --group-backend gloo",
+                 id="nccl-for-a-model-on-the-cpu"),
 ])
 def test_a_mistake_is_one_line_and_exit_1(tmp_path: Path, mistake: str, extra: list[str],
                                           phrase: str) -> None:

@@ -4,6 +4,7 @@ sums and injected failures. Multi-process gloo behaviour is tests/integration/te
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -17,7 +18,9 @@ from recover.trainer.groups import (
     CrossReplicaGroup,
     GroupSpec,
     build_group,
+    group_factory,
 )
+from recover.trainer.groups import nccl as nccl_module
 from recover.trainer.groups.fake import FakeGroup, FakeRendezvous, FakeWorld, MemberKilled
 from recover.trainer.groups.gloo import GenerationGroup, RendezvousServer
 from recover.trainer.groups.nccl import NcclGroup, nccl_available
@@ -382,3 +385,29 @@ def test_the_fake_rendezvous_gives_each_generation_one_world() -> None:
     assert rendezvous(GroupSpec(3, 0, 2, "fake", 0)) is a
     with pytest.raises(ValueError, match="generation 3 has 2 members, not 3"):
         rendezvous(GroupSpec(3, 0, 3, "fake", 0))
+
+
+# ---------------------------------------------------------------- the job's backend
+
+
+@pytest.mark.parametrize(("backend", "devices", "nccl", "outcome"), [
+    ("", ["cpu"], False, "gloo"),
+    ("gloo", ["cuda:0"], True, "gloo"),                    # GPU buffers staged through the host
+    ("nccl", ["cuda:0", "cuda:0"], True, "nccl"),
+    ("nccl", ["cuda:0"], False, "needs a CUDA build of torch with NCCL"),
+    ("nccl", ["cuda:0", "cpu"], True, "gradients or buffers are on cpu"),
+    ("mpi", ["cpu"], False, "unknown group backend 'mpi'"),
+])
+def test_the_job_s_group_backend_is_checked_against_where_its_buffers_live(
+        monkeypatch: pytest.MonkeyPatch, backend: str, devices: list[str], nccl: bool,
+        outcome: str) -> None:
+    monkeypatch.setattr(nccl_module, "nccl_available", lambda: nccl)
+    if outcome in ("gloo", "nccl"):
+        factory = group_factory(backend, [torch.device(d) for d in devices])
+        if outcome == "gloo":
+            assert factory is build_group
+        else:
+            assert isinstance(factory, functools.partial) and factory.keywords == {"backend": "nccl"}
+        return
+    with pytest.raises(ValueError, match=outcome):
+        group_factory(backend, [torch.device(d) for d in devices])

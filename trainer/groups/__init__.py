@@ -8,13 +8,15 @@ must be able to give that group up in milliseconds when the membership changes
 GPU job the NCCL group (`groups.nccl`) without the executor knowing which it got.
 
 Implementations: `groups.gloo` (the default; CPU buffers, CUDA ones staged through pinned
-host memory), `groups.nccl` (CUDA buffers; run in its own tests on one GPU, not yet
-selectable for a job), `groups.fake` (threads of one process; a unit-test seam only).
+host memory), `groups.nccl` (CUDA buffers, one GPU per member; a job selects it with
+`--group-backend nccl`: `group_factory`), `groups.fake` (threads of one process; a
+unit-test seam only).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -22,7 +24,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["BACKENDS", "CollectiveAborted", "CrossReplicaGroup", "GroupFactory", "GroupSpec",
-           "build_group"]
+           "build_group", "group_factory"]
 
 BACKENDS = ("gloo", "nccl")
 """What `build_group` builds; the fake is built by its own `FakeRendezvous`."""
@@ -122,3 +124,24 @@ def build_group(spec: GroupSpec, backend: str = "gloo") -> CrossReplicaGroup:
         from recover.trainer.groups.nccl import NcclGroup
         return NcclGroup(spec)
     raise ValueError(f"unknown group backend {backend!r} (one of {', '.join(BACKENDS)})")
+
+
+def group_factory(backend: str, devices: Iterable[torch.device]) -> GroupFactory:
+    """The groups of a job's `--group-backend` (gloo when unset), checked against the devices
+    its reduced buffers live on: ValueError, one line saying what to change, when they
+    cannot work. The setting is the job's, so every member builds the same kind of group."""
+    if backend in ("", "gloo"):
+        return build_group
+    if backend != "nccl":
+        raise ValueError(f"unknown group backend {backend!r} (one of {', '.join(BACKENDS)})")
+    from recover.trainer.groups.nccl import nccl_available
+
+    if not nccl_available():
+        raise ValueError("--group-backend nccl needs a CUDA build of torch with NCCL and a "
+                         "visible GPU on every host; use --group-backend gloo")
+    host = sorted({str(d) for d in devices if d.type != "cuda"})
+    if host:
+        raise ValueError(f"--group-backend nccl reduces CUDA tensors, but this model's "
+                         f"gradients or buffers are on {', '.join(host)}: put the model on "
+                         "its GPU (recover.trainer's Job.device) or use --group-backend gloo")
+    return functools.partial(build_group, backend="nccl")
