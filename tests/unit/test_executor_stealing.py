@@ -125,7 +125,8 @@ def baseline() -> Run:
     return train()
 
 
-def steal(asked_positions: slice, gate_after: int) -> tuple[Run, StealingController]:
+def steal(asked_positions: slice, gate_after: int, **train_args: Any
+          ) -> tuple[Run, StealingController]:
     made: list[StealingController] = []
 
     def controller(*args: Any, **kwargs: Any) -> StealingController:
@@ -138,7 +139,7 @@ def steal(asked_positions: slice, gate_after: int) -> tuple[Run, StealingControl
         fake.asked = share[asked_positions]
         executors[GIVER].hooks = Gate(fake.gate, fake.at_gate, gate_after)
 
-    run = train(controller_of=controller, prepare=prepare)
+    run = train(controller_of=controller, prepare=prepare, **train_args)
     return run, made[0]
 
 

@@ -23,6 +23,7 @@ from recover.trainer.overlap import PIECE_BYTES, EarlyReduction, piece_bytes
 from recover.trainer.sources import FunctionMicrobatches
 from recover.trainer.workload import Workload
 from tests.unit.test_executor_fake import REPLICAS, STEPS, Run, data, kill, mse, train
+from tests.unit.test_executor_stealing import steal
 
 torch.set_num_threads(1)
 
@@ -148,6 +149,16 @@ def test_a_replica_lost_inside_a_piece_s_collective_leaves_no_trace() -> None:
     assert "died in allreduce 1" in (run.rendezvous.worlds[1].broken or "")
     for replica in (0, 2):
         assert torch.equal(final(run, replica), final(clean, 0))
+
+
+def test_pieces_under_work_stealing_reduce_as_one_collective_does() -> None:
+    # Open plans are never hooked (a member's last microbatch is not known in advance), but
+    # every member still issues the pieces, then the rest: a step with a steal sums the same.
+    plain, _ = steal(slice(1, None), gate_after=0, reduce="fast")
+    pieced, fake = steal(slice(1, None), gate_after=0, reduce="fast", piece_bytes=PIECE)
+    assert fake.released == [5]
+    for replica in range(REPLICAS):
+        assert torch.equal(final(pieced, replica), final(plain, 0))
 
 
 def test_a_gradient_replaced_before_the_last_backward_is_folded_before_it_is_sent(
