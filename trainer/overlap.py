@@ -28,6 +28,7 @@ Why this keeps every guarantee:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -237,7 +238,7 @@ class EarlyReduction:
     def _stream_for(self, device: torch.device, event: Any) -> Any:
         """The reducing thread's stream on `device`, made to wait for `event` (CPU: none)."""
         if device.type != "cuda":
-            return _NoStream()
+            return contextlib.nullcontext()
         stream = self._streams.get(device)
         if stream is None:
             stream = self._streams[device] = torch.cuda.Stream(device)
@@ -269,11 +270,3 @@ def _record_event(tensor: torch.Tensor) -> Any:
 
 def _record_events(buffers: list[torch.Tensor]) -> list[Any]:
     return [_record_event(buffer) for buffer in buffers]
-
-
-class _NoStream:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
