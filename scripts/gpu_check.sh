@@ -26,7 +26,8 @@
 #       kill (bitwise verdict).
 #   2 GPUs or more: also the cross-replica group on NCCL (--group-backend nccl), a replica
 #     per GPU: exact failure-free vs a replica killed in backward (bitwise verdict), and fast
-#     with the reduction's pieces started during backward, killed the same way.
+#     with the reduction's pieces started during backward, killed the same way; on one GPU,
+#     a one-replica job over NCCL instead (failure-free).
 #   4 GPUs or more: also HSDP 2x2 (FSDP2 on each replica's own group: NCCL for CUDA
 #     tensors) exact, failure-free vs a rank killed in backward.
 set -uo pipefail  # each check reports and the next one runs; the exit status says if any failed
@@ -121,8 +122,13 @@ if [ "$GPUS" -ge 2 ]; then
   verdict nccl-ref nccl-killed
   run nccl-fast "${NCCL[@]}" "${JOB[@]}" --overlap-piece-kb 64 --kill step=3,replica=1,phase=backward \
     -- python examples/hsdp.py
+elif [ "$GPUS" -ge 1 ]; then
+  # Two replicas cannot share one GPU under NCCL: one replica, failure-free, still builds and
+  # uses the NCCL group in a job (a world of one).
+  echo "== 1 replica on 1 GPU, the cross-replica group on NCCL (a world of one; 2 replicas need 2 GPUs)"
+  run nccl-one --replicas 1 --group-backend nccl "${JOB[@]}" -- python examples/hsdp.py
 else
-  echo "== NCCL in a job skipped: it needs 2 GPUs (one per replica), $GPUS seen"
+  echo "== NCCL in a job skipped: no GPU"
 fi
 
 if [ "$GPUS" -ge 4 ]; then
