@@ -54,7 +54,7 @@ class ExecutorBase(ABC):
         self.beacon = beacon
         self.grads = grads
         self.accumulator = accumulator
-        self.early: EarlyReduction | None = EarlyReduction(accumulator) \
+        self.early: EarlyReduction | None = EarlyReduction(accumulator, replica) \
             if isinstance(accumulator, FastAccumulator) and accumulator.pieces else None
         """Reduces the pieces of the gradient during the step's last backward (overlap.py);
         None when the accumulator has no pieces (exact mode, a small model, turned off)."""

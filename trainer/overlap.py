@@ -86,8 +86,9 @@ class _Hooked:
 class EarlyReduction:
     """Hooks a replica's last microbatch of a step and reduces its pieces meanwhile."""
 
-    def __init__(self, accumulator: FastAccumulator) -> None:
+    def __init__(self, accumulator: FastAccumulator, replica: int = 0) -> None:
         self.accumulator = accumulator
+        self.replica = replica
         self.pieces: list[Piece] = list(accumulator.pieces)
         buckets = accumulator.grads.buckets
         self._params = [[buckets[p.bucket].params[i] for i in p.params] for p in self.pieces]
@@ -139,7 +140,8 @@ class EarlyReduction:
             self._told = True
             log.info("step %d: %d of %d gradient pieces started reducing during the last "
                      "backward", hooked.step, hooked.started, len(self.pieces),
-                     extra={"step": hooked.step})
+                     extra={"step": hooked.step, "generation": hooked.group.spec.generation,
+                            "replica": self.replica})
         self._start_pieces(hooked, every=True)  # those backward did not reach
         self.accumulator.fill_rest(hooked.buffers)
         rest = self.accumulator.schedule(hooked.buffers)[len(self.pieces):]
