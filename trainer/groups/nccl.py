@@ -1,7 +1,8 @@
 """The NCCL cross-replica group: one ProcessGroupNCCL per generation, aborted with `abort()`.
 
 Run on one H100 by its own tests (a one-member reduce; abort() freeing a member whose peer
-never came), not yet in a job: no job setting selects it. It follows the regime that is
+never came); a job selects it with `--group-backend nccl` (groups.group_factory), never run
+in a job yet (scripts/gpu_check.sh does on the next GPU machine). It follows the regime that is
 known to work elsewhere (torchft's ProcessGroupNCCL): a communicator built directly on a
 PrefixStore per generation (no global c10d state), non-blocking (`config.blocking =
 False`) so that `abort()` from another thread can end an init or a collective in flight,
