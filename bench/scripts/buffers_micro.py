@@ -4,8 +4,10 @@
 steps spread by ±30 % between rounds on 2 shared cores: it cannot resolve 2 %. The buffers'
 work is all in each replica's own step: the running statistics restored before every
 microbatch's forward and captured after it, packed into the step's reduce buffer with the
-gradients, put back at the commit (`trainer/buffers.py`) and hashed into the step digest
-each member reports (on CPU, at once after the commit); across replicas they add a few
+gradients, put back at the commit (`trainer/buffers.py`), in exact mode scaled like the
+gradients (each microbatch quantized, the next step's scales predicted after the commit) and
+hashed into the step digest each member reports (on CPU, at once after the commit); across
+replicas they add a few
 hundred bytes to the one allreduce the gradients already make (reported below as a share
 of its bytes). So this times that step alone: the example's ConvNet (BatchNorm, SGD with
 momentum), its microbatches of 16 images, `--microbatches` per step (2: a replica's share
