@@ -122,10 +122,6 @@ async def _attempt(address: str, first: list[pb.AgentMessage], attempt_s: float,
                           grpc.StatusCode.UNAUTHENTICATED):
             raise LinkError(f"the controller at {address} refused this agent: {exc.details()}"
                             ) from None
-        if exc.code() is grpc.StatusCode.ABORTED:
-            # A rejoin the leader did not expect: it may be about to stand down, and the
-            # next leader will expect it; tried again until the deadline.
-            return f"{address} refused this agent for now: {exc.details()}"
         return exc.details() or exc.code().name
     except TimeoutError:
         await _close(channel, queue)

@@ -39,14 +39,6 @@ class RegistrationRefused(Exception):
     """An agent asked to join a job that cannot take it; the message says why."""
 
 
-class RejoinUnexpected(RegistrationRefused):
-    """An agent asked to rejoin a leader that has run the job since it started (no takeover
-    waits for it). Not final for the agent: the leader it reached may be one that can no
-    longer reach its store and is about to stand down (the agent took its silence for a
-    loss first), and the next leader's takeover will expect it. The agent keeps looking for
-    a leader until its reconnect deadline."""
-
-
 def sample_digest(sample_ids: Iterable[int]) -> str:
     """Ledger entry of a step: sha256 of its sorted sample ids as little-endian int64."""
     ids = sorted(sample_ids)

@@ -14,7 +14,7 @@ from recover.common.netaddr import is_loopback
 from recover.controller import authz
 from recover.controller.coordinator import Coordinator
 from recover.controller.gate import Gate, Malformed
-from recover.controller.jobstate import RegistrationRefused, RejoinUnexpected
+from recover.controller.jobstate import RegistrationRefused
 from recover.controller.leader import LeaderElection, LostLeadership
 from recover.controller.operations import Decision
 from recover.controller.store import StoreError
@@ -161,12 +161,7 @@ class AgentSessions(rpc.AgentSessionServicer):
                             except RegistrationRefused as refusal:
                                 if self._queues.get(reg.agent_id) is queue:
                                     del self._queues[reg.agent_id]
-                                # ABORTED: the agent tries again (a leader about to stand
-                                # down); FAILED_PRECONDITION: it stops.
-                                refused.append((grpc.StatusCode.ABORTED
-                                                if isinstance(refusal, RejoinUnexpected)
-                                                else grpc.StatusCode.FAILED_PRECONDITION,
-                                                str(refusal)))
+                                refused.append((grpc.StatusCode.FAILED_PRECONDITION, str(refusal)))
                                 return
                         agent_id = reg.agent_id
                     elif agent_id is None:

@@ -8,12 +8,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from recover.controller.jobstate import (
-    JobState,
-    RegistrationRefused,
-    RejoinUnexpected,
-    sample_digest,
-)
+from recover.controller.jobstate import JobState, RegistrationRefused, sample_digest
 from recover.controller.policy import PlanDecision, RecoverPolicy
 from recover.proto import pb
 from tests.unit.coordinator_harness import (
@@ -61,18 +56,6 @@ def test_registration_refused(first, attempt, message):
         assert message in str(info.value)
         assert h.coord.replicas == before, "a refused registration must not take replica ids"
         assert len(h.messages("registered")) == len(first)
-    asyncio.run(body())
-
-
-def test_a_rejoin_this_leader_did_not_expect_is_refused_for_now():
-    # The leader that started the job has no takeover waiting: an agent resuming a session
-    # with it is refused, but as RejoinUnexpected (the agent tries again: this leader may be
-    # about to stand down, and the next one expects it), not as a final refusal.
-    async def body():
-        h = Harness(make_job(replicas=2))
-        assert await h.coord.register_agent("a", "h", 2) == [0, 1]
-        with pytest.raises(RejoinUnexpected, match="did not expect it"):
-            await h.coord.register_agent("a", "h", 2, [0, 1])
     asyncio.run(body())
 
 

@@ -8,8 +8,8 @@ import time
 
 import grpc
 
-from recover.agent.link import LinkError, _first_non_heartbeat, connected, open_session
-from recover.proto import pb, rpc
+from recover.agent.link import _first_non_heartbeat, connected
+from recover.proto import pb
 
 
 class ScriptedCall:
@@ -55,42 +55,3 @@ def test_a_refused_address_fails_at_once_and_a_listening_one_connects():
         await server.stop(None)
 
     asyncio.run(scenario())
-
-
-class RefusingSessions(rpc.AgentSessionServicer):
-    """A leader that refuses the first `refusals` sessions with `code`, then registers."""
-
-    def __init__(self, refusals: int, code: grpc.StatusCode) -> None:
-        self.refusals, self.code, self.sessions = refusals, code, 0
-
-    async def Session(self, request_iterator, context):  # noqa: N802 - the gRPC method's name
-        await request_iterator.__anext__()  # the registration
-        self.sessions += 1
-        if self.sessions <= self.refusals:
-            await context.abort(self.code, "agent 'a' cannot rejoin: this leader has run the "
-                                           "job since it started and did not expect it")
-        yield pb.ControllerMessage(registered=pb.Registered(replica_ids=[0]))
-
-
-def test_a_rejoin_refused_for_now_is_tried_again_and_a_final_refusal_is_not() -> None:
-    # ABORTED: a leader that may be about to stand down (it could not reach its store and the
-    # agent took its silence for a loss first); the next leader's takeover expects the agent.
-    async def scenario(code: grpc.StatusCode) -> tuple[object, int]:
-        server = grpc.aio.server()
-        service = RefusingSessions(3, code)
-        rpc.add_AgentSessionServicer_to_server(service, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            session = await open_session([f"127.0.0.1:{port}"], [pb.AgentMessage(
-                register=pb.RegisterAgent(agent_id="a", resume=True))], timeout_s=20)
-            await session.channel.close()
-            return session.registered.replica_ids, service.sessions
-        except LinkError as exc:
-            return str(exc), service.sessions
-        finally:
-            await server.stop(None)
-
-    assert asyncio.run(scenario(grpc.StatusCode.ABORTED)) == ([0], 4)
-    why, sessions = asyncio.run(scenario(grpc.StatusCode.FAILED_PRECONDITION))
-    assert sessions == 1 and "refused this agent" in str(why) and "did not expect it" in str(why)
