@@ -36,8 +36,9 @@ from recover.controller import (
 from recover.controller.events import EventLog
 from recover.controller.inflight import Complete, Drop, Stale, StepInFlight
 from recover.controller.interpreter import EffectInterpreter
-from recover.controller.jobstate import TERMINAL, JobState
+from recover.controller.jobstate import TERMINAL, JobState, RejoinUnexpected
 from recover.controller.joinreports import JoinReports
+from recover.controller.leader import LostLeadership
 from recover.controller.ledger import AppliedVerdict, Ledger
 from recover.controller.records import PersistedJob, Records
 from recover.controller.recoveries import RecoveryTracker
@@ -251,7 +252,16 @@ class Coordinator:
         if resume is None:
             ids = membership.register_agent(draft, agent_id, host, slots, subject)
         else:
-            ids = takeover.rejoin(draft, agent_id, host, resume)
+            try:
+                ids = takeover.rejoin(draft, agent_id, host, resume)
+            except RejoinUnexpected:
+                # This refusal fences the agent for good (it stops its workers), so only a
+                # leader that still leads may give it. One that cannot reach its store may be
+                # about to stand down (the agent took its silence for a loss first), and the
+                # next leader's takeover expects the agent: LostLeadership then, no refusal.
+                if not await self.records.store.transaction([], []):  # fenced, writes nothing
+                    raise LostLeadership("the leader key is no longer ours") from None
+                raise
         self.heartbeats[agent_id] = self._clock()
         await self._settle(draft)
         await self._maybe_end_takeover()

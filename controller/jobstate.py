@@ -39,6 +39,12 @@ class RegistrationRefused(Exception):
     """An agent asked to join a job that cannot take it; the message says why."""
 
 
+class RejoinUnexpected(RegistrationRefused):
+    """An agent asked to rejoin the leader that has run the job since it started (no takeover
+    waits for it): the leader lost it, and the refusal tells it to stop its workers. Said
+    only by a leader that confirms it still leads (Coordinator.register_agent)."""
+
+
 def sample_digest(sample_ids: Iterable[int]) -> str:
     """Ledger entry of a step: sha256 of its sorted sample ids as little-endian int64."""
     ids = sorted(sample_ids)

@@ -163,6 +163,10 @@ class AgentSessions(rpc.AgentSessionServicer):
                                     del self._queues[reg.agent_id]
                                 refused.append((grpc.StatusCode.FAILED_PRECONDITION, str(refusal)))
                                 return
+                            except LostLeadership:  # no answer: the agent looks for the leader
+                                if self._queues.get(reg.agent_id) is queue:
+                                    del self._queues[reg.agent_id]
+                                raise
                         agent_id = reg.agent_id
                     elif agent_id is None:
                         refused.append((grpc.StatusCode.FAILED_PRECONDITION,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 
 from recover.controller import joinflow, membership, policy
-from recover.controller.jobstate import JobState, RegistrationRefused
+from recover.controller.jobstate import JobState, RegistrationRefused, RejoinUnexpected
 from recover.controller.records import PersistedJob
 from recover.controller.transitions import (
     broadcast,
@@ -130,8 +130,8 @@ def rejoin(d: Draft, agent_id: str, host: str, replicas: list[int]) -> list[int]
     """An agent whose workers kept running reconnects; returns its replica ids."""
     wait = d.v.takeover
     if wait is None:
-        raise RegistrationRefused(f"agent {agent_id!r} cannot rejoin: this leader has run "
-                                  "the job since it started and did not expect it")
+        raise RejoinUnexpected(f"agent {agent_id!r} cannot rejoin: this leader has run "
+                               "the job since it started and did not expect it")
     agent = d.v.agents.get(agent_id)
     if agent is None:
         raise RegistrationRefused(f"agent {agent_id!r} is not part of job {d.v.job.job_id}")

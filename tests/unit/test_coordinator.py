@@ -8,7 +8,13 @@ from collections.abc import Sequence
 
 import pytest
 
-from recover.controller.jobstate import JobState, RegistrationRefused, sample_digest
+from recover.controller.jobstate import (
+    JobState,
+    RegistrationRefused,
+    RejoinUnexpected,
+    sample_digest,
+)
+from recover.controller.leader import LostLeadership
 from recover.controller.policy import PlanDecision, RecoverPolicy
 from recover.proto import pb
 from tests.unit.coordinator_harness import (
@@ -56,6 +62,27 @@ def test_registration_refused(first, attempt, message):
         assert message in str(info.value)
         assert h.coord.replicas == before, "a refused registration must not take replica ids"
         assert len(h.messages("registered")) == len(first)
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("still_leads", [True, False])
+def test_a_rejoin_this_leader_did_not_expect_is_refused_only_while_it_leads(monkeypatch,
+                                                                          still_leads):
+    # The leader that started the job lost agent a (no takeover waits for it): asked to take
+    # it back, it refuses, which stops the agent's workers for good; but only once a fenced
+    # transaction confirms it still leads. A leader that cannot (its store down, its lease
+    # gone) says nothing: the agent looks for the next leader, whose takeover expects it.
+    async def body():
+        h = Harness(make_job(replicas=2))
+        assert await h.coord.register_agent("a", "h", 2) == [0, 1]
+
+        async def fenced(compares, writes):
+            assert (list(compares), list(writes)) == ([], [])
+            return still_leads
+
+        monkeypatch.setattr(h.store, "transaction", fenced)
+        with pytest.raises(RejoinUnexpected if still_leads else LostLeadership):
+            await h.coord.register_agent("a", "h", 2, [0, 1])
     asyncio.run(body())
 
 
