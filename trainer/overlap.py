@@ -255,11 +255,13 @@ class EarlyReduction:
 
 
 def _ranges(bucket: Any, piece: Piece) -> list[tuple[int, int]]:
-    """(offset, numel) in the bucket's flat gradient of each of a piece's parameters."""
-    starts = [0]
-    for n in bucket.sizes[:-1]:
-        starts.append(starts[-1] + n)
-    return [(starts[i], bucket.sizes[i]) for i in piece.params]
+    """(offset, numel) in the bucket's flat gradient of each of a piece's parameters (they
+    lie one after the other from the piece's start)."""
+    ranges, offset = [], piece.bucket_start
+    for i in piece.params:
+        ranges.append((offset, bucket.sizes[i]))
+        offset += bucket.sizes[i]
+    return ranges
 
 
 def _record_event(tensor: torch.Tensor) -> Any:
