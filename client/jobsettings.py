@@ -383,6 +383,10 @@ SETTINGS: tuple[Setting, ...] = (
             to_proto=lambda v, a: {"testing.overlap_piece_bytes": (v or 0) * 1024},
             to_flags=lambda job: [f"--overlap-piece-kb={job.testing.overlap_piece_bytes // 1024}"]
             if job.testing.overlap_piece_bytes else []),
+    Setting("--digest-inline", "testing.digest_inline", action="store_true", default=False,
+            group="testing",
+            help="hash each step's digest before the next step starts instead of on a thread "
+                 "while it computes (benchmarks: bench/scripts/overlap_ab.py --variants)"),
 )
 BY_DEST = {s.dest: s for s in SETTINGS}
 

@@ -43,16 +43,18 @@ class SlowdownSpec(_message.Message):
     def __init__(self, replica: _Optional[int] = ..., factor: _Optional[float] = ..., from_step: _Optional[int] = ..., until_step: _Optional[int] = ...) -> None: ...
 
 class TestingConfig(_message.Message):
-    __slots__ = ("faults", "compute_ms", "slowdowns", "overlap_piece_bytes")
+    __slots__ = ("faults", "compute_ms", "slowdowns", "overlap_piece_bytes", "digest_inline")
     FAULTS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     SLOWDOWNS_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_PIECE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_INLINE_FIELD_NUMBER: _ClassVar[int]
     faults: _containers.RepeatedCompositeFieldContainer[FaultSpec]
     compute_ms: float
     slowdowns: _containers.RepeatedCompositeFieldContainer[SlowdownSpec]
     overlap_piece_bytes: int
-    def __init__(self, faults: _Optional[_Iterable[_Union[FaultSpec, _Mapping]]] = ..., compute_ms: _Optional[float] = ..., slowdowns: _Optional[_Iterable[_Union[SlowdownSpec, _Mapping]]] = ..., overlap_piece_bytes: _Optional[int] = ...) -> None: ...
+    digest_inline: bool
+    def __init__(self, faults: _Optional[_Iterable[_Union[FaultSpec, _Mapping]]] = ..., compute_ms: _Optional[float] = ..., slowdowns: _Optional[_Iterable[_Union[SlowdownSpec, _Mapping]]] = ..., overlap_piece_bytes: _Optional[int] = ..., digest_inline: _Optional[bool] = ...) -> None: ...
 
 class JobConfig(_message.Message):
     __slots__ = ("job_id", "replicas", "steps", "global_microbatches", "seed", "reduce", "group_timeout_s", "policy", "hang_timeout_s", "hang_factor", "first_microbatch_grace_s", "workload", "testing", "reduce_dtype", "check_determinism", "skip_batch_check", "record_sample_ids", "min_replicas", "spares", "checkpoint", "resume", "ranks_per_replica", "work_stealing", "reduce_after_backward", "group_backend")

@@ -24,7 +24,6 @@ from recover.trainer.commits import CommitAction, judge_commit
 from recover.trainer.errors import call_user
 from recover.trainer.groups import CollectiveAborted, GroupSpec
 from recover.trainer.joinsteps import JoinSteps
-from recover.trainer.stepdigest import snapshot
 from recover.trainer.stepstate import ORPHAN_WAIT_S, StepState, TrainingEnded
 from recover.trainer.workload import StepInfo
 
@@ -368,6 +367,7 @@ class StepExecutor(JoinSteps):
         """Apply a committed step: as a member (`commit_wait` set), or catching up as a joiner.
         After the job's `final` step the first member writes its checkpoint before saying it
         applied the step: the job ends on that, and its last checkpoint is reported first."""
+        self.parameters_about_to_change()
         applied_step = self.workload.apply(self.grads, means)
         self.accumulator.observe_committed(means)
         self.accumulator.loss_scale_changed(applied_step.loss_scale_factor)
@@ -379,9 +379,9 @@ class StepExecutor(JoinSteps):
         record.CopyFrom(step.record)
         digests = self._digest_pipeline() if member and not final else None
         if digests is not None:  # hashed on a thread while the next step computes
-            params, buffers = self.workload.digest_tensors()
-            digests.submit(step.step, record, commit_wait or 0.0, snapshot(params),
-                           snapshot(buffers))
+            # A callback after the commit may write the parameters: then they are copied.
+            digests.submit(step.step, record, commit_wait or 0.0, *self.workload.digest_tensors(),
+                           borrow=self.workload.on_step_committed is None)
         elif member:  # a joiner's record carries its donor's digest: the same bits
             self.settle_digests()  # the final step's report comes after every earlier one
             digest = self.workload.digest()

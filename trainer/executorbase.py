@@ -77,9 +77,9 @@ class ExecutorBase(ABC):
         self.ledger: list[pb.StepRecord] = []
         """Every committed step's record, kept with the state: a checkpoint carries it."""
         self.checkpoints: CheckpointWriter | None = None
-        self.background_digests: bool | None = None
-        """Hash step digests on a thread (stepdigest.py): None decides by where the
-        parameters live (a GPU), True or False forces it (tests)."""
+        self.background_digests = False if job.testing.digest_inline else None
+        """Hash step digests on a thread while the next step computes (stepdigest.py): None
+        (the default) does wherever it can, False hashes in line (tests, benchmarks)."""
         self._digests: BackgroundDigests | None = None
         self._admission: pb.GenerationView | None = None
         """A joiner's first generation, held until it has caught up to the view's step."""
@@ -143,13 +143,15 @@ class ExecutorBase(ABC):
 
     def _digest_pipeline(self) -> BackgroundDigests | None:
         """The background step digests, made on the first step applied, when they apply."""
-        if self._digests is None and self.lockstep is None:
-            wanted = self.background_digests
-            if wanted is None:
-                wanted = any(p.is_cuda for p in self.workload.params)
-            if wanted:
-                self._digests = BackgroundDigests(self.replica, self.channel.send)
+        wanted = self.background_digests is not False and self.lockstep is None
+        if self._digests is None and wanted:
+            self._digests = BackgroundDigests(self.replica, self.channel.send)
         return self._digests
+
+    def parameters_about_to_change(self) -> None:
+        """Every step digest that hashes the parameters in place is done (stepdigest.py)."""
+        if self._digests is not None:
+            self._digests.release()
 
     def settle_digests(self) -> None:
         """Every step digest in its ledger record and reported (a snapshot or a checkpoint
@@ -173,6 +175,7 @@ class ExecutorBase(ABC):
 
     def load_training_state(self, state: dict[str, Any], step: int,
                             ledger: list[pb.StepRecord] | None = None) -> None:
+        self.parameters_about_to_change()
         self.workload.load_state_dict(state["workload"])
         self.accumulator.load_state_dict(state["reduction"])
         if ledger is None:

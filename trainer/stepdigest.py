@@ -1,27 +1,40 @@
-"""The step digest off the critical path, for replicas whose parameters live on a GPU.
+"""The step digest off the critical path: hashed on a thread while the next step computes.
 
 A member reports the sha256 of its parameters after every step it applies (the ledger's
 bitwise proof). Hashing is CPU work: about 150 ms for 50M float32 parameters, which on
-a GPU job is most of a step (measured on an H100: BENCHMARKS.md section 13), while the
-CPU is otherwise idle as the next step computes on the GPU. So the parameters are cloned
-on their device (cheap there) and hashed on a thread; each digest is delivered, in step
-order, by the training loop when it is ready (`deliver`), or at once where something
-needs it (`settle`: before a donor's snapshot, a joiner's catch-up step, a checkpoint).
-Nothing about the digest changes: the same bytes, the same names, the same order.
+a GPU job is most of a step (measured on an H100: BENCHMARKS.md section 13), where the CPU
+is otherwise idle as the next step computes on the GPU. So the digest is made on a thread;
+each is delivered, in step order, by the training loop when it is ready (`deliver`), or at
+once where something needs it (`settle`: before a donor's snapshot, a joiner's catch-up
+step, a checkpoint). Nothing about the digest changes: the same bytes, the same names, the
+same order.
 
-The thread copies the clones to the host on a CUDA stream of its own, into pinned memory:
-a plain `.to("cpu")` there is a pageable copy on the default stream, which every kernel of
-the next step queued after it waits for (and which waits for them), so the hash's copy
-took GPU time from the step it was meant to stay out of.
+What the thread hashes:
+- GPU tensors are cloned on their device (cheap there) and copied to the host on a CUDA
+  stream of its own, into pinned memory: a plain `.to("cpu")` is a pageable copy on the
+  default stream, which every kernel of the next step queued after it waits for (and
+  which waits for them), so the hash's copy took GPU time from the step it was meant to
+  stay out of.
+- Host parameters are hashed where they are, not copied (a copy costs a third of the
+  hash, on cores the computation needs; on this project's 2-core machine the thread only
+  moves the hash's ~20 ms from after the step into its microbatches: level, BENCHMARKS.md
+  section 4c, and one path for every replica): nothing writes a parameter between a step's
+  optimizer step and the next one, before which the executor waits for the hash
+  (`release`). What could break that is a user's own write: a callback after the commit
+  (`on_step_committed`, so with one the parameters are copied), or a write in place during
+  the next step, which each parameter's version counter shows (a write through `.data`
+  bypasses it): the digest is then flagged (`torn`) and the parameters are copied from
+  then on.
+- Buffers are always copied: the next forward rewrites them (BatchNorm's statistics).
 
 Not used for a replica of several ranks (their digest is combined over the replica's
-group, a collective that must stay in the ranks' lockstep) nor for CPU parameters (the
-copy would cost a third of the hash, on cores the computation needs). The thread hashes
-the snapshot's chunks on a few more (digest.DIGEST_SCHEME).
+group, a collective that must stay in the ranks' lockstep). The thread hashes the
+snapshot's chunks on a few more (digest.DIGEST_SCHEME).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -32,6 +45,8 @@ import torch
 
 from recover.proto import pb
 from recover.trainer.digest import step_digest
+
+log = logging.getLogger("recover.trainer")
 
 Named = Sequence[tuple[str, torch.Tensor]]
 
@@ -47,6 +62,12 @@ the oldest rather than copies of the parameters piling up on the device."""
 def snapshot(named: Named) -> list[tuple[str, torch.Tensor]]:
     """Copies of the tensors as they are now, on their own device."""
     return [(name, tensor.detach().clone()) for name, tensor in named]
+
+
+def _borrowable(tensor: torch.Tensor) -> bool:
+    """A host tensor whose own version counter shows every write to its bytes (a sharded
+    tensor's wrapper would not: its local shard has its own)."""
+    return tensor.is_cpu and type(tensor) in (torch.Tensor, torch.nn.Parameter)
 
 
 class _HostCopies:
@@ -88,7 +109,9 @@ class _HostCopies:
 @dataclass
 class _Pending:
     step: int
-    digest: Future[str]
+    digest: Future[tuple[str, bool]]
+    """The digest, and whether a borrowed tensor was written while it was hashed."""
+    borrowed: bool
     record: pb.StepRecord
     """The ledger's record of the step: its digest is filled in on delivery."""
     commit_wait_s: float
@@ -105,20 +128,38 @@ class BackgroundDigests:
                                           thread_name_prefix="recover-digest-chunk")
         self._pending: deque[_Pending] = deque()
         self._host = _HostCopies()
+        self.borrowing = True
+        """Host parameters are hashed in place (else copied first): off once one was seen
+        written while it was hashed."""
 
     def submit(self, step: int, record: pb.StepRecord, commit_wait_s: float,
-               params: Named, buffers: Named) -> None:
-        """Hash a snapshot (taken by the caller, now) of the state after `step`."""
+               params: Named, buffers: Named, borrow: bool = True) -> None:
+        """Hash the state after `step`, as it is now: the parameters' host tensors in place
+        (with `borrow`, while `borrowing`: the caller calls `release` before they change),
+        everything else copied now."""
         while len(self._pending) >= MAX_PENDING:
             self._deliver_oldest()
-        ready = self._host.ordered_after_now([*params, *buffers])
-        future = self._pool.submit(self._hash, params, buffers, ready)
-        self._pending.append(_Pending(step, future, record, commit_wait_s))
+        borrow = borrow and self.borrowing
+        kept = [(name, t if borrow and _borrowable(t) else t.detach().clone()) for name, t in params]
+        borrowed = [t for (_, t), (_, original) in zip(kept, params, strict=True) if t is original]
+        copies = snapshot(buffers)
+        ready = self._host.ordered_after_now([*kept, *copies])
+        future = self._pool.submit(self._hash, kept, copies, ready, borrowed,
+                                   [t._version for t in borrowed])
+        self._pending.append(_Pending(step, future, bool(borrowed), record, commit_wait_s))
 
-    def _hash(self, params: Named, buffers: Named,
-              ready: dict[torch.device, torch.cuda.Event]) -> str:
+    def _hash(self, params: Named, buffers: Named, ready: dict[torch.device, torch.cuda.Event],
+              borrowed: Sequence[torch.Tensor], versions: Sequence[int]) -> tuple[str, bool]:
         on_host = self._host.to_host([*params, *buffers], ready)  # one wait for the copies
-        return step_digest(on_host[:len(params)], on_host[len(params):], self._chunks)
+        digest = step_digest(on_host[:len(params)], on_host[len(params):], self._chunks)
+        torn = any(t._version != v for t, v in zip(borrowed, versions, strict=True))
+        return digest, torn
+
+    def release(self) -> None:
+        """The borrowed parameters are about to change: every hash that reads them is done
+        (and its digest reported) when this returns."""
+        while any(p.borrowed for p in self._pending):
+            self._deliver_oldest()
 
     def deliver(self, wait: bool = False) -> None:
         """Report the digests that are ready (all of them, with `wait`), oldest first."""
@@ -127,7 +168,13 @@ class BackgroundDigests:
 
     def _deliver_oldest(self) -> None:
         done = self._pending.popleft()
-        digest = done.digest.result()
+        digest, torn = done.digest.result()
+        if torn:
+            self.borrowing = False
+            log.warning("step %d: a parameter was written in place while its digest was "
+                        "hashed (outside the optimizer step): this step's digest may not match "
+                        "the other replicas'; parameters are copied before hashing from now on",
+                        done.step, extra={"step": done.step, "replica": self._replica})
         done.record.param_sha256.append(pb.ReplicaDigest(replica=self._replica,
                                                          param_sha256=digest))
         self._send(pb.WorkerReport(applied=pb.Applied(

@@ -1,12 +1,15 @@
-"""The step's reduction during the last backward (trainer/overlap.py) vs after it, and plain
-torch DDP, side by side: the same job alternated over rounds (the order rotated each round).
+"""ReCoVer's fast step in variants, and plain torch DDP, side by side: the same job
+alternated over rounds (the order rotated each round).
 
     python bench/scripts/overlap_ab.py --out runs/overlap-ab --rounds 3 [--width 512 --layers 3]
-        [--compute-ms 100] [--steps 12] [--no-ddp]
+        [--compute-ms 100] [--steps 12] [--variants overlap,after,ddp]
 
 Each ReCoVer run is `recover run --replicas 2 -M 8 --reduce fast` of `examples/hsdp.py`
-(its transformer at --width/--layers; on a GPU host the model is on the GPU), once with
-the default `--overlap-reduce` and once with `--no-overlap-reduce`; DDP is
+(its transformer at --width/--layers; on a GPU host the model is on the GPU) with the
+defaults (`overlap`: the reduction started during the last backward, trainer/overlap.py;
+the step digest hashed on a thread, trainer/stepdigest.py) or one changed: `after`
+(`--no-overlap-reduce`), `inline` (`--digest-inline`). The first variant is compared with
+each other one (first / other, per round and of the medians). DDP is
 `bench/scripts/ddp_gpu_baseline.py` under torchrun (gloo, `no_sync` accumulation: its
 buckets reduced during the last backward). Per run: the median step (commit to commit,
 from step 3 on) and ReCoVer's split (summary.json's step_time). Writes results.json and
@@ -25,11 +28,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-VARIANTS = ("overlap", "after", "ddp")
+FLAGS = {"overlap": [], "after": ["--no-overlap-reduce"], "inline": ["--digest-inline"]}
+VARIANTS = (*FLAGS, "ddp")
 
 
 def recover_run(args: argparse.Namespace, variant: str, out: Path) -> dict:
-    flags = ["--overlap-reduce" if variant == "overlap" else "--no-overlap-reduce"]
+    flags = list(FLAGS[variant])
     if args.compute_ms:
         flags += ["--compute-ms", str(args.compute_ms)]
     cmd = [sys.executable, "-m", "recover.cli.main", "run", "--out", str(out), "--replicas", "2",
@@ -70,11 +74,17 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--compute-ms", type=float, default=0.0)
-    parser.add_argument("--no-ddp", action="store_true")
+    parser.add_argument("--variants", default="overlap,after,ddp",
+                        help=f"comma-separated, of {', '.join(VARIANTS)}; the first is compared "
+                             "with each other one")
     parser.add_argument("--run-timeout", type=float, default=600)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    variants = [v for v in VARIANTS if v != "ddp" or not args.no_ddp]
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or len(variants) < 2:
+        parser.error(f"--variants: two or more of {', '.join(VARIANTS)}, got {args.variants!r}")
+    first, others = variants[0], variants[1:]
     rounds: list[dict] = []
     for r in range(args.rounds):
         order = variants[r % len(variants):] + variants[:r % len(variants)]
@@ -90,24 +100,21 @@ def main() -> None:
                   + f" ({time.monotonic() - started:.0f} s)", flush=True)
         rounds.append(row)
     median = {v: statistics.median(row[v]["step_s"] for row in rounds) for v in variants}
-    lines = ["| round | " + " | ".join(variants) + " | overlap / after"
-             + (" | overlap / DDP |" if "ddp" in variants else " |"),
-             "|---" * (len(variants) + 2 + ("ddp" in variants)) + "|"]
+    lines = ["| round | " + " | ".join(variants) + " | "
+             + " | ".join(f"{first} / {v}" for v in others) + " |",
+             "|---" * (len(variants) + len(others) + 1) + "|"]
     for i, row in enumerate(rounds):
         cells = [f"{row[v]['step_s'] * 1000:.1f} ms" for v in variants]
-        ratio = [f"{row['overlap']['step_s'] / row['after']['step_s']:.3f}"]
-        if "ddp" in variants:
-            ratio.append(f"{row['overlap']['step_s'] / row['ddp']['step_s']:.3f}")
+        ratio = [f"{row[first]['step_s'] / row[v]['step_s']:.3f}" for v in others]
         lines.append(f"| {i + 1} | " + " | ".join(cells + ratio) + " |")
     cells = [f"{median[v] * 1000:.1f} ms" for v in variants]
-    ratio = [f"**{median['overlap'] / median['after']:.3f}**"]
-    if "ddp" in variants:
-        ratio.append(f"**{median['overlap'] / median['ddp']:.3f}**")
+    ratio = [f"**{median[first] / median[v]:.3f}**" for v in others]
     lines.append("| median | " + " | ".join(cells + ratio) + " |")
     table = "\n".join(lines)
     print(table)
-    same = {row["overlap"]["sha"] == row["after"]["sha"] for row in rounds}
-    print(f"overlap and after end with the same parameters: {same == {True}}")
+    ours = [v for v in variants if v != "ddp"]
+    same = {row[v]["sha"] for row in rounds for v in ours}
+    print(f"{', '.join(ours)} end with the same parameters: {len(same) == 1}")
     (args.out / "table.md").write_text(table + "\n")
     (args.out / "results.json").write_text(json.dumps(
         {"args": {k: str(v) for k, v in vars(args).items()}, "rounds": rounds,

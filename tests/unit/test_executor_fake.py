@@ -297,7 +297,9 @@ def train(reduce: str = "exact", faults: tuple[pb.FaultSpec, ...] = (), hold: se
 
 @pytest.fixture(scope="module")
 def baseline() -> Run:
-    run = train()
+    # Digests hashed in line: every run below hashes them on a thread (the default), so each
+    # comparison of digests step by step also checks those against these.
+    run = train(background_digests=False)
     assert run.controller.commits == [(s, 1) for s in range(STEPS)]
     assert run.controller.lost == []
     return run
@@ -380,18 +382,47 @@ def test_a_slowed_replica_reports_its_sleep_as_compute_and_learns_the_same(basel
 @pytest.mark.parametrize("phase", ["forward", "commit"])
 def test_step_digests_hashed_on_a_thread_are_the_same_and_in_order(baseline: Run,
                                                                      phase: str) -> None:
-    # What a GPU replica does (trainer/stepdigest.py), forced here on the CPU: each step's
-    # digest is hashed on a thread while the next step computes, and reported later. The
-    # reports are the synchronous ones, step by step, through a loss; none is missing.
-    run = train(faults=(kill(1, 1, phase),), hold={1} if phase == "commit" else None,
-                background_digests=True)
+    # Each step's digest is hashed on a thread while the next step computes, the host
+    # parameters in place (trainer/stepdigest.py), and reported later. The reports are the
+    # in-line ones, step by step, through a loss; none is missing.
+    run = train(faults=(kill(1, 1, phase),), hold={1} if phase == "commit" else None)
     assert_survivors_match(run, baseline, lost=[1])
-    assert all(executor._digests is not None for r, executor in run.executors.items() if r != 1)
+    assert all(executor._digests is not None and executor._digests.borrowing
+               for r, executor in run.executors.items() if r != 1)
     for replica in (0, 2):
         ledger = run.executors[replica].ledger  # one record per step, each with its digest
         assert len(ledger) == STEPS and [d.param_sha256 for r in ledger for d in r.param_sha256
                 if d.replica == replica] == [baseline.controller.digests[s][0]
                                              for s in range(STEPS)]
+
+
+def test_with_a_callback_after_the_commit_the_digest_hashes_copies(
+        baseline: Run, monkeypatch: pytest.MonkeyPatch) -> None:
+    # on_step_committed is user code that may write the parameters while the digest of the
+    # step hashes them: with one, the parameters are copied first (without: hashed in place).
+    from recover.trainer import stepdigest
+
+    borrow_asked: list[bool] = []
+    submit = stepdigest.BackgroundDigests.submit
+
+    def recorded(self: Any, *args: Any, borrow: bool = True) -> None:
+        borrow_asked.append(borrow)
+        submit(self, *args, borrow=borrow)
+
+    monkeypatch.setattr(stepdigest.BackgroundDigests, "submit", recorded)
+    committed: list[int] = []
+
+    def with_callback(executors: dict[int, StepExecutor]) -> None:
+        for executor in executors.values():
+            executor.workload.on_step_committed = lambda info: committed.append(info.step)
+
+    run = train(prepare=with_callback)
+    assert_survivors_match(run, baseline, lost=[])
+    assert len(committed) == REPLICAS * STEPS
+    assert len(borrow_asked) == REPLICAS * (STEPS - 1) and not any(borrow_asked)  # final: in line
+    borrow_asked.clear()
+    train()
+    assert len(borrow_asked) == REPLICAS * (STEPS - 1) and all(borrow_asked)
 
 
 def test_background_digests_never_hold_more_than_two_snapshots() -> None:
@@ -405,9 +436,10 @@ def test_background_digests_never_hold_more_than_two_snapshots() -> None:
     blocked = digests._pool.submit(release.wait)  # the hashing thread is busy
     records = [pb.StepRecord(step=s) for s in range(3)]
     tensors = [("w", torch.ones(2))]
-    digests.submit(0, records[0], 0.0, tensors, [])
-    digests.submit(1, records[1], 0.0, tensors, [])
-    waiter = threading.Thread(target=digests.submit, args=(2, records[2], 0.0, tensors, []))
+    digests.submit(0, records[0], 0.0, tensors, [], borrow=False)
+    digests.submit(1, records[1], 0.0, tensors, [], borrow=False)
+    waiter = threading.Thread(target=digests.submit, args=(2, records[2], 0.0, tensors, []),
+                              kwargs={"borrow": False})
     waiter.start()
     waiter.join(0.2)
     assert waiter.is_alive() and sent == []  # the third waits for room
@@ -459,7 +491,7 @@ def test_a_gpu_snapshot_is_hashed_as_it_was_taken_while_the_parameters_change() 
     busy = torch.randn(8192, 8192, device="cuda")
     for _ in range(10):  # ~0.2 s of kernels queued before the snapshot's clone
         busy = busy @ busy / 8192
-    digests.submit(0, pb.StepRecord(step=0), 0.0, stepdigest.snapshot([("w", weight)]), [])
+    digests.submit(0, pb.StepRecord(step=0), 0.0, [("w", weight)], [])  # cloned on the GPU
     for _ in range(8):
         weight.mul_(1.5)  # the next step's writes, queued after the snapshot
     digests.settle()

@@ -377,3 +377,63 @@ def test_make_accumulator():
     assert isinstance(make_accumulator("", flat, M), FastAccumulator)
     with pytest.raises(ValueError, match="unknown reduce mode 'bogus'"):
         make_accumulator("bogus", flat, M)
+
+
+class _Buckets:
+    """A BucketSet of given buckets (what buffers.StepBuckets hands the accumulator)."""
+
+    def __init__(self, buckets: list) -> None:
+        self.buckets = buckets
+
+    def zero(self) -> None:
+        for bucket in self.buckets:
+            bucket.flat.zero_()
+
+
+def _counters(numel: int, integer: bool) -> _Buckets:
+    from recover.trainer.gradients import Bucket
+
+    return _Buckets([Bucket(torch.device("cpu"), torch.float64, [], [numel - 1, 1],
+                            torch.zeros(numel, dtype=torch.float64), integer=integer)])
+
+
+@pytest.mark.parametrize("numel", [3, 100], ids=["checked-as-a-list", "checked-as-a-tensor"])
+def test_integer_buffer_deltas_sum_unscaled_to_the_scaled_sums_bits(numel: int) -> None:
+    # Integer buffers' deltas (whole numbers held in float64) skip the power-of-two scale:
+    # scaling a whole number and undoing it is exact, so the means are the same bits as the
+    # scaled path's, step after step (scales predicted in between), and the exact mean.
+    gen = torch.Generator().manual_seed(5)
+    accumulators = {integer: ExactAccumulator(_counters(numel, integer), M)
+                    for integer in (True, False)}
+    for step in range(3):
+        deltas = [torch.randint(-10 ** (step + 2), 10 ** (step + 2), (numel,), generator=gen,
+                                dtype=torch.int64).double() for _ in range(M)]
+        means = {}
+        for integer, acc in accumulators.items():
+            acc.reset()
+            for delta in deltas:
+                acc.before_microbatch()
+                acc.grads.buckets[0].flat.copy_(delta)
+                acc.after_microbatch(1.0)
+            reduced = acc.finish(acc.buffers())
+            assert reduced.overflow == 0
+            means[integer] = reduced.grads[0]
+            acc.observe_committed(reduced.grads)
+        assert torch.equal(means[True], means[False])
+        assert torch.equal(means[True], torch.stack(deltas).sum(0) / M)
+    assert accumulators[True]._parts[0].scale.numel() == 0  # never filled: never scaled
+
+
+@pytest.mark.parametrize("numel", [3, 100], ids=["checked-as-a-list", "checked-as-a-tensor"])
+@pytest.mark.parametrize("bad", [2.0 ** 52, -(2.0 ** 52), math.inf, math.nan])
+def test_an_integer_delta_too_large_to_sum_exactly_is_an_overflow(numel: int, bad: float) -> None:
+    acc = ExactAccumulator(_counters(numel, True), M)
+    acc.before_microbatch()
+    acc.grads.buckets[0].flat[numel // 2] = bad
+    acc.after_microbatch(1.0)
+    acc.before_microbatch()
+    acc.grads.buckets[0].flat.fill_(3.0)
+    acc.after_microbatch(1.0)
+    reduced = acc.finish(acc.buffers())
+    assert (reduced.overflow, reduced.microbatches) == (1, 2)
+    assert torch.equal(reduced.grads[0], torch.full((numel,), 1.5, dtype=torch.float64))
