@@ -50,8 +50,10 @@ class StepExecutor(JoinSteps):
                 if lockstep is not None and not lockstep.ranks.leads:
                     self._follow(lockstep.follow())
                     continue
-                if self._digests is not None:
-                    self._digests.deliver()  # the step digests hashed meanwhile, in order
+                if self._digests is not None:  # the step digests hashed meanwhile, in order;
+                    # all of them before waiting for a command (a stop, the job's end wait
+                    # for them)
+                    self._digests.deliver(wait=not self._has_work())
                 command = self.channel.poll() if self._has_work() else \
                     self.channel.next_command(ORPHAN_WAIT_S)
                 if command is not None:

@@ -35,6 +35,9 @@ class ScriptedAgent(rpc.WorkerChannelServicer):
         self.worker: subprocess.Popen[bytes] | None = None
         self.commands: asyncio.Queue[pb.WorkerCommand | None] = asyncio.Queue()
         self.reports: asyncio.Queue[pb.WorkerReport] = asyncio.Queue()
+        self.held: list[pb.WorkerReport] = []
+        """Reports read while waiting for another kind: a step's `applied` (its digest
+        hashed on a thread) may come after the next step's `reduced`."""
 
     async def Attach(self, request_iterator: AsyncIterator[pb.WorkerReport],  # noqa: N802
                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.WorkerCommand]:
@@ -55,6 +58,9 @@ class ScriptedAgent(rpc.WorkerChannelServicer):
         return pb.Ack()
 
     async def next_report(self, kind: str) -> pb.WorkerReport:
+        for index, held in enumerate(self.held):
+            if held.WhichOneof("kind") == kind:
+                return self.held.pop(index)
         for _ in range(600):
             try:
                 report = await asyncio.wait_for(self.reports.get(), 0.1)
@@ -66,6 +72,7 @@ class ScriptedAgent(rpc.WorkerChannelServicer):
                 continue
             if report.WhichOneof("kind") == kind:
                 return report
+            self.held.append(report)
         raise AssertionError(f"no {kind!r} report within 60 s")
 
 
