@@ -24,21 +24,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from recover.client.testinputs import check_kills, check_slowdowns
 from recover.common.progress import FIRST_MICROBATCH_GRACE_S
 from recover.controller.policy import POLICIES, ProportionalPolicy
 from recover.proto import pb
-from recover.trainer.faults import (
-    ANY_REPLICA_PHASES,
-    FaultSpecError,
-    format_fault_spec,
-    parse_fault_spec,
-)
-from recover.trainer.slowdown import (
-    SlowdownSpecError,
-    format_slowdown_spec,
-    overlap,
-    parse_slowdown_spec,
-)
+from recover.trainer.faults import format_fault_spec, parse_fault_spec
+from recover.trainer.slowdown import format_slowdown_spec, parse_slowdown_spec
 
 MAX_SEED = 2 ** 63 - 1
 MAX_STEPS = 10 ** 12
@@ -174,44 +165,7 @@ def _checks(*checks: Check) -> Check:
     return lambda value, args: next((p for c in checks if (p := c(value, args))), None)
 
 
-def _check_kills(texts: list[str], args: argparse.Namespace) -> str | None:
-    for text in texts:
-        try:
-            spec = parse_fault_spec(text)
-        except FaultSpecError as exc:
-            return str(exc)
-        if spec.step >= args.steps:
-            return (f"--kill {text!r}: step {spec.step} is beyond the last step "
-                    f"({args.steps - 1})")
-        if spec.replica >= args.replicas and spec.phase not in ANY_REPLICA_PHASES:
-            return (f"--kill {text!r}: replica {spec.replica} does not exist "
-                    f"(replicas are 0..{args.replicas - 1})")
-        if spec.rank >= args.ranks_per_replica:
-            return (f"--kill {text!r}: rank {spec.rank} does not exist (a replica has "
-                    f"{args.ranks_per_replica} rank{'s' if args.ranks_per_replica > 1 else ''}, "
-                    "--ranks-per-replica)")
-    return None
-
-
 MAX_RANKS_PER_REPLICA = 1024
-
-
-def _check_slowdowns(texts: list[str], args: argparse.Namespace) -> str | None:
-    specs = []
-    for text in texts:
-        try:
-            spec = parse_slowdown_spec(text)
-        except SlowdownSpecError as exc:
-            return str(exc)
-        if spec.from_step >= args.steps:
-            return (f"--slowdown {text!r}: from_step {spec.from_step} is beyond the last step "
-                    f"({args.steps - 1})")
-        specs.append(spec)
-    if (found := overlap(specs)) is not None:
-        first, second = (texts[i] for i in found)
-        return (f"--slowdown {first!r} and {second!r} slow replica {specs[found[0]].replica} "
-                "in the same steps: give each step one factor")
-    return None
 
 
 def _check_workload_config(text: str | None, args: argparse.Namespace) -> str | None:
@@ -358,7 +312,7 @@ SETTINGS: tuple[Setting, ...] = (
             help="inject a fault: step=S,replica=R,phase=P[,microbatch=K][,seconds=X]; crash "
                  "phases: forward, backward, reduce, commit, rebuild, recompute; hangs: stop, "
                  "spin, deadlock; slow (alive, seconds=X per microbatch)",
-            check=_check_kills,
+            check=check_kills,
             to_proto=lambda v, a: {"testing.faults": [parse_fault_spec(t) for t in v]},
             to_flags=lambda job: [f"--kill={format_fault_spec(f)}" for f in job.testing.faults]),
     Setting("--compute-ms", "testing.compute_ms", type=float, default=0.0, metavar="MS",
@@ -372,7 +326,7 @@ SETTINGS: tuple[Setting, ...] = (
             help="slow a replica: replica=R,factor=F[,from_step=S][,until_step=T]; in steps "
                  "[S, T) (default: all) each of replica id R's microbatches takes F times its "
                  "compute (real and --compute-ms), 1 <= F < 100; repeatable",
-            check=_check_slowdowns,
+            check=check_slowdowns,
             to_proto=lambda v, a: {"testing.slowdowns": [parse_slowdown_spec(t) for t in v]},
             to_flags=lambda job: [f"--slowdown={format_slowdown_spec(s)}"
                                   for s in job.testing.slowdowns]),
