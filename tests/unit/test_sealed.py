@@ -151,18 +151,18 @@ def test_the_peer_closing_between_records_reads_as_the_end() -> None:
     assert joiner.recv_into(bytearray(10)) == 0
 
 
-@pytest.mark.parametrize("megabytes,sealed", [(1, False), (17, True)])
+@pytest.mark.parametrize("kilobytes,sealed", [(512, False), (2048, True)])
 def test_a_donor_seals_a_large_state_and_keeps_tls_records_for_a_small_one(
-        megabytes: int, sealed: bool) -> None:
-    """Donation decides by the snapshot's size (joining.SEAL_FROM_BYTES = 16 MiB): the
+        kilobytes: int, sealed: bool) -> None:
+    """Donation decides by the snapshot's size (joining.SEAL_FROM_BYTES = 1 MiB): the
     joiner sees the key in the hello only for the large one, and gets the state either way."""
     from recover.proto import pb
     from recover.trainer.joining import SEAL_FROM_BYTES, Donation
     from recover.trainer.statewire import encode
     from recover.trainer.transfer import FrameKind, Listener
 
-    assert (megabytes << 20 >= SEAL_FROM_BYTES) is sealed
-    state = {"w": torch.arange(megabytes << 18, dtype=torch.float32)}  # 4 bytes each
+    assert (kilobytes << 10 >= SEAL_FROM_BYTES) is sealed
+    state = {"w": torch.arange(kilobytes << 8, dtype=torch.float32)}  # 4 bytes each
     listener = Listener("127.0.0.1", tls=True)
     donation = Donation(pb.Donate(donor=0, joiner=1, address=listener.address, token="t",
                                   tls_sha256=listener.tls_sha256), 0, encode(state), 0)
