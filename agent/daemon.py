@@ -144,6 +144,10 @@ class Agent:
         if kind == "applied":
             self._applied[report.replica] = report
             self._applied_step[report.replica] = report.applied.step
+        elif kind == "reduced" and report.reduced.applied:  # folded in: the same for fencing
+            last = report.reduced.applied[-1]
+            self._applied[report.replica] = pb.WorkerReport(replica=report.replica, applied=last)
+            self._applied_step[report.replica] = last.step
         elif kind == "ready":
             self._ready[report.replica] = report
         self.reports_relayed += 1

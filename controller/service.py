@@ -247,6 +247,8 @@ class AgentSessions(rpc.AgentSessionServicer):
                 report = message.report
                 which = report.WhichOneof("kind")
                 if which == "reduced":
+                    for applied in report.reduced.applied:  # earlier steps' (folded in)
+                        await coordinator.applied(report.replica, applied)
                     await coordinator.reduced(report.replica, report.reduced)
                 elif which == "applied":
                     await coordinator.applied(report.replica, report.applied)

@@ -50,10 +50,7 @@ class StepExecutor(JoinSteps):
                 if lockstep is not None and not lockstep.ranks.leads:
                     self._follow(lockstep.follow())
                     continue
-                if self._digests is not None:  # the step digests hashed meanwhile, in order;
-                    # all of them before waiting for a command (a stop, the job's end wait
-                    # for them)
-                    self._digests.deliver(wait=not self._has_work())
+                self.deliver_digests(idle=not self._has_work())
                 command = self.channel.poll() if self._has_work() else \
                     self.channel.next_command(ORPHAN_WAIT_S)
                 if command is not None:
@@ -338,7 +335,7 @@ class StepExecutor(JoinSteps):
             generation=self.generation, step=s.step, microbatch_ids=s.done,
             sample_ids=s.sample_ids, loss=s.reduced.loss, compute_s=s.compute_s,
             reduce_s=time.perf_counter() - started, overflow=s.reduced.overflow,
-            scale_epoch=s.scale_epoch, tokens=tokens)))
+            scale_epoch=s.scale_epoch, tokens=tokens, applied=self.held_applied())))
         self._reported_at = time.perf_counter()
         self.hooks.after_reported(s.step)
 

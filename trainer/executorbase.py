@@ -81,6 +81,10 @@ class ExecutorBase(ABC):
         """Hash step digests on a thread while the next step computes (stepdigest.py): None
         (the default) does wherever it can, False hashes in line (tests, benchmarks)."""
         self._digests: BackgroundDigests | None = None
+        self._applied_held: list[pb.Applied] = []
+        """`applied` reports of digests hashed on the thread, to ride on the next `reduced`
+        report (one message fewer a step); sent alone before this worker waits for a
+        command, or before something reads the ledger (`settle_digests`)."""
         self._admission: pb.GenerationView | None = None
         """A joiner's first generation, held until it has caught up to the view's step."""
         self._pending_join: pb.Join | None = None
@@ -145,8 +149,28 @@ class ExecutorBase(ABC):
         """The background step digests, made on the first step applied, when they apply."""
         wanted = self.background_digests is not False and self.lockstep is None
         if self._digests is None and wanted:
-            self._digests = BackgroundDigests(self.replica, self.channel.send)
+            self._digests = BackgroundDigests(self.replica, self._hold_applied)
         return self._digests
+
+    def _hold_applied(self, report: pb.WorkerReport) -> None:
+        self._applied_held.append(report.applied)
+
+    def held_applied(self) -> list[pb.Applied]:
+        """The held `applied` reports, handed over to ride on a `reduced` one."""
+        held, self._applied_held = self._applied_held, []
+        return held
+
+    def deliver_digests(self, idle: bool) -> None:
+        """The step digests hashed meanwhile, in order; when `idle` (about to wait for a
+        command: a stop or the job's end waits for them) all of them, sent now."""
+        if self._digests is not None:
+            self._digests.deliver(wait=idle)
+            if idle:
+                self._send_held_applied()
+
+    def _send_held_applied(self) -> None:
+        for applied in self.held_applied():
+            self.channel.send(pb.WorkerReport(applied=applied))
 
     def parameters_about_to_change(self) -> None:
         """Every step digest that hashes the parameters in place is done (stepdigest.py)."""
@@ -158,6 +182,7 @@ class ExecutorBase(ABC):
         of the ledger, or a joiner's catch-up step, is about to carry them)."""
         if self._digests is not None:
             self._digests.settle()
+            self._send_held_applied()
 
     def training_state(self, with_ledger: bool = True) -> dict[str, Any]:
         """Everything a joiner or a restore needs: the user's state, the exact-reduction

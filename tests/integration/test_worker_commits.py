@@ -43,6 +43,10 @@ class ScriptedAgent(rpc.WorkerChannelServicer):
                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.WorkerCommand]:
         async def read() -> None:
             async for report in request_iterator:
+                if report.WhichOneof("kind") == "reduced":  # earlier steps' applied, folded in
+                    for applied in report.reduced.applied:
+                        await self.reports.put(pb.WorkerReport(replica=report.replica,
+                                                               applied=applied))
                 await self.reports.put(report)
 
         reader = asyncio.create_task(read())
