@@ -28,7 +28,6 @@ def check_kills(texts: list[str], args: argparse.Namespace) -> str | None:
     return None
 
 
-
 def check_slowdowns(texts: list[str], args: argparse.Namespace) -> str | None:
     specs = []
     for text in texts:

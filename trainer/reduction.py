@@ -72,9 +72,11 @@ class _ExactBucket:
         # float64 needs no widening: it is already the accumulator's dtype.
         self.wide = None if self.scale_dtype == torch.float64 else torch.empty_like(self.sum)
         self.integer = bucket.integer and self.scale_dtype == torch.float64
-        """Integer buffers' deltas (whole numbers in float64): summed as they are, unscaled. A
-        power-of-two scale of a whole number is exact and undone exactly at the end, so the
-        sum is the same bits; skipping it saves a microbatch four small ops (issue 23)."""
+        """Integer buffers' deltas (whole numbers in float64): summed as they are, unscaled.
+        The scaled path multiplied them by 2**e (e >= 0 while their mean is below 2**43 / M**2) and
+        divided by it at the end, both exact: the same bits, without four small ops a
+        microbatch (issue 23). Only a delta too large for e >= 0 differs: it was rounded
+        there and is summed exactly here."""
         self.peak_list = self.integer and bucket.numel <= SMALL
         """Its bound checked on a Python list: one op instead of three for a few counters."""
         self.scale = torch.empty(0)
