@@ -50,14 +50,14 @@ class StepExecutor(JoinSteps):
                 if lockstep is not None and not lockstep.ranks.leads:
                     self._follow(lockstep.follow())
                     continue
-                self.deliver_digests(idle=not self._has_work())
-                command = self.channel.poll() if self._has_work() else \
-                    self.channel.next_command(ORPHAN_WAIT_S)
+                busy = self._has_work()  # unchanged until a command is handled
+                self.deliver_digests(idle=not busy)
+                command = self.channel.poll() if busy else self.channel.next_command(ORPHAN_WAIT_S)
                 if command is not None:
                     if lockstep is not None:
                         lockstep.lead(command)
                     self._handle(command)
-                elif self._has_work():
+                elif busy:
                     if lockstep is not None:
                         lockstep.lead(None)
                     self._work()

@@ -252,11 +252,11 @@ class ExactAccumulator:
             # conversion, an exact power-of-two rescale per tensor, one division.
             buffer = by_device[part.bucket.device]
             mean = buffer[part.offset:part.offset + part.bucket.numel].to(part.scale_dtype)
-            offset = 0
-            for n, e in zip(part.bucket.sizes, () if part.integer else self._exponents_now(base),
-                            strict=False):  # an integer part is not scaled
-                mean[offset:offset + n].mul_(2.0 ** -e)
-                offset += n
+            if not part.integer:  # an integer part is not scaled
+                offset = 0
+                for n, e in zip(part.bucket.sizes, self._exponents_now(base), strict=True):
+                    mean[offset:offset + n].mul_(2.0 ** -e)
+                    offset += n
             mean.div_(divisor)
             if nonfinite and len(means) < self._loss_scaled:
                 mean.fill_(math.nan)

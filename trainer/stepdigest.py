@@ -140,8 +140,14 @@ class BackgroundDigests:
         while len(self._pending) >= MAX_PENDING:
             self._deliver_oldest()
         borrow = borrow and self.borrowing
-        kept = [(name, t if borrow and _borrowable(t) else t.detach().clone()) for name, t in params]
-        borrowed = [t for (_, t), (_, original) in zip(kept, params, strict=True) if t is original]
+        kept: list[tuple[str, torch.Tensor]] = []
+        borrowed: list[torch.Tensor] = []
+        for name, tensor in params:
+            if borrow and _borrowable(tensor):
+                borrowed.append(tensor)
+            else:
+                tensor = tensor.detach().clone()
+            kept.append((name, tensor))
         copies = snapshot(buffers)
         ready = self._host.ordered_after_now([*kept, *copies])
         future = self._pool.submit(self._hash, kept, copies, ready, borrowed,
