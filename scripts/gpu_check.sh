@@ -56,7 +56,7 @@ if not cuda:
 "
 
 echo "== the cross-replica groups on the GPU (gloo staging through pinned memory, NCCL)"
-"$PY" -m pytest -q -rs -s -p no:cacheprovider tests/unit/test_groups.py tests/unit/test_executor_fake.py \
+"$PY" -m pytest -q -rs -s -p no:cacheprovider tests/unit/test_groups.py tests/unit/test_stepdigest.py \
   tests/unit/test_overlap.py -k "cuda or nccl or gpu" \
   || { echo "gpu_check: group tests failed"; FAILED=1; }
 

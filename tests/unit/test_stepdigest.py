@@ -95,3 +95,50 @@ def test_without_borrowing_the_parameters_are_copied_when_submitted() -> None:
     assert [r.applied.param_sha256 for r in sent] == [expected]
     assert digests.borrowing  # nothing was torn
     digests.close()
+
+
+def test_background_digests_never_hold_more_than_two_snapshots() -> None:
+    # Steps that outrun the hash wait for the oldest digest instead of piling up copies of
+    # the parameters on the device.
+    sent: list[pb.WorkerReport] = []
+    release = threading.Event()
+    digests = BackgroundDigests(0, sent.append)
+    blocked = digests._pool.submit(release.wait)  # the hashing thread is busy
+    records = [pb.StepRecord(step=s) for s in range(3)]
+    tensors = [("w", torch.ones(2))]
+    digests.submit(0, records[0], 0.0, tensors, [], borrow=False)
+    digests.submit(1, records[1], 0.0, tensors, [], borrow=False)
+    waiter = threading.Thread(target=digests.submit, args=(2, records[2], 0.0, tensors, []),
+                              kwargs={"borrow": False})
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive() and sent == []  # the third waits for room
+    release.set()
+    waiter.join(SAFETY_S)
+    blocked.result()
+    digests.settle()
+    assert [r.applied.step for r in sent] == [0, 1, 2]
+    assert all(len(r.param_sha256) == 1 for r in records)
+    digests.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the side-stream "
+                    "copy of a GPU snapshot cannot run here (scripts/gpu_check.sh runs it)")
+def test_a_gpu_snapshot_is_hashed_as_it_was_taken_while_the_parameters_change() -> None:
+    # The hashing thread copies the snapshot on a stream of its own: the copy must wait for
+    # the clone (queued on the default stream behind a long kernel) and see none of what
+    # the next step then writes into the parameters.
+    weight = torch.randn(4096, 4096, device="cuda")
+    expected = step_digest([("w", weight.cpu())])
+    sent: list[pb.WorkerReport] = []
+    digests = BackgroundDigests(0, sent.append)
+    busy = torch.randn(8192, 8192, device="cuda")
+    for _ in range(10):  # ~0.2 s of kernels queued before the snapshot's clone
+        busy = busy @ busy / 8192
+    digests.submit(0, pb.StepRecord(step=0), 0.0, [("w", weight)], [])  # cloned on the GPU
+    for _ in range(8):
+        weight.mul_(1.5)  # the next step's writes, queued after the snapshot
+    digests.settle()
+    assert [r.applied.param_sha256 for r in sent] == [expected]
+    assert step_digest([("w", weight.cpu())]) != expected
+    digests.close()
