@@ -21,6 +21,12 @@ log = logging.getLogger("recover.agent")
 REPLICA_METADATA_KEY = "recover-replica"
 RANK_METADATA_KEY = "recover-rank"
 
+ATTACH_WAIT_S = 10.0
+"""How long an attaching worker the agent does not know yet is waited for before it is
+refused: one forked from the warm interpreter runs, and may attach, before the agent has
+read its pid back (the spawn has not returned, the worker is not registered yet)."""
+ATTACH_POLL_S = 0.01
+
 
 class WorkerChannelService(rpc.WorkerChannelServicer):
     def __init__(
@@ -43,10 +49,18 @@ class WorkerChannelService(rpc.WorkerChannelServicer):
         worker = self._workers.get(replica)
         return worker.ranks[rank] if worker is not None and 0 <= rank < len(worker.ranks) else None
 
+    async def _registered(self, context: grpc.aio.ServicerContext) -> WorkerProcess | None:
+        """The attaching worker, once the agent has registered it (ATTACH_WAIT_S at most)."""
+        deadline = asyncio.get_running_loop().time() + ATTACH_WAIT_S
+        while (worker := self._worker_of(context)) is None \
+                and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(ATTACH_POLL_S)
+        return worker
+
     async def Attach(  # noqa: N802 (gRPC method name)
         self, request_iterator: AsyncIterator[pb.WorkerReport], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.WorkerCommand]:
-        worker = self._worker_of(context)
+        worker = await self._registered(context)
         if worker is None:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                 f"no worker of this agent has {REPLICA_METADATA_KEY} metadata matching")
