@@ -56,6 +56,9 @@ class ScaleConfig:
     """Seconds between a simulated agent's heartbeats."""
     ramp_timeout_s: float = 120.0
     """Give up on a count when its agents are not all up within this."""
+    relays: int = 0
+    """Agents reach the controller through this many relays (`recover relay`), each client
+    process through one (round robin); 0: directly."""
 
 
 def cpu_seconds(pid: int) -> float:
@@ -107,23 +110,35 @@ def plan_receipts(per_agent: list[dict[str, float]], killed_at: float, newest: i
     return sorted(firsts)
 
 
-def _start_controller(n: int, folder: Path) -> tuple[subprocess.Popen[bytes], str]:
+def _start(name: str, args: list[str], folder: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """A `recover` process listening on a port of its choice: it and its address."""
     folder.mkdir(parents=True, exist_ok=True)
-    port_file = folder / "controller.port"
+    port_file = folder / f"{name}.port"
     port_file.unlink(missing_ok=True)
-    log = open(folder / "controller.log", "wb")  # noqa: SIM115 (the child keeps it)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "recover.cli.main", "controller", "--port", "0", "--port-file",
-         str(port_file), "--replicas", str(n), "-M", str(n), "--steps", "1000",
-         "--start-timeout", "600", "--job-id", f"scale-{n}"],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    log = open(folder / f"{name}.log", "wb")  # noqa: SIM115 (the child keeps it)
+    proc = subprocess.Popen([sys.executable, "-m", "recover.cli.main", *args, "--port-file",
+                             str(port_file)],
+                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     log.close()
     deadline = time.time() + 60
     while not (port_file.exists() and port_file.read_text().strip()):
         if proc.poll() is not None or time.time() > deadline:
-            raise RuntimeError(f"controller for N={n} did not start (see {folder})")
+            proc.kill()
+            raise RuntimeError(f"{name} did not start (see {folder})")
         time.sleep(0.05)
     return proc, f"127.0.0.1:{port_file.read_text().strip()}"
+
+
+def _start_controller(n: int, folder: Path) -> tuple[subprocess.Popen[bytes], str]:
+    return _start("controller", ["controller", "--port", "0", "--replicas", str(n), "-M", str(n),
+                                 "--steps", "1000", "--start-timeout", "600",
+                                 "--job-id", f"scale-{n}"], folder)
+
+
+def _start_relays(count: int, controller: str, folder: Path
+                  ) -> list[tuple[subprocess.Popen[bytes], str]]:
+    return [_start(f"relay-{i}", ["relay", "--controller", controller, "--relay-id", f"rack-{i}",
+                                  "--listen", "127.0.0.1:0"], folder) for i in range(count)]
 
 
 def _probe(stub: Any, seconds: float) -> tuple[list[float], int]:
@@ -147,12 +162,15 @@ def measure(n: int, config: ScaleConfig, progress: Callable[[str], None]) -> dic
     folder = config.out / f"n{n}"
     controller, address = _start_controller(n, folder)
     clients: list[subprocess.Popen[str]] = []
+    relays: list[tuple[subprocess.Popen[bytes], str]] = []
     channel = None
     try:
+        relays = _start_relays(config.relays, address, folder)
         began = time.time()
-        for first, count in process_split(n):
+        for index, (first, count) in enumerate(process_split(n)):
+            target = relays[index % len(relays)][1] if relays else address
             clients.append(subprocess.Popen(
-                [sys.executable, "-m", "recover.bench.sim_agents", address, str(first),
+                [sys.executable, "-m", "recover.bench.sim_agents", target, str(first),
                  str(count), "--heartbeat", str(config.heartbeat_s)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
         for client in clients:
@@ -171,8 +189,10 @@ def measure(n: int, config: ScaleConfig, progress: Callable[[str], None]) -> dic
         channel, stub = connect(address, 10)
         time.sleep(min(2.0, config.duration_s / 4))  # let the start-up burst settle
         cpu0, t0 = cpu_seconds(controller.pid), time.time()
+        relay_cpu0 = sum(cpu_seconds(proc.pid) for proc, _ in relays)
         rtts, agents_seen = _probe(stub, config.duration_s)
         cpu1, t1 = cpu_seconds(controller.pid), time.time()
+        relay_cpu1 = sum(cpu_seconds(proc.pid) for proc, _ in relays)
         victim = clients[0]
         assert victim.stdin is not None
         victim.stdin.write("kill\n")
@@ -194,11 +214,12 @@ def measure(n: int, config: ScaleConfig, progress: Callable[[str], None]) -> dic
                     client.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     client.kill()
-        controller.terminate()
-        try:
-            controller.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            controller.kill()
+        for proc in [controller, *(relay for relay, _ in relays)]:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
     killed_at = outputs[0]["killed_at"]
     after = plan_receipts([g for out in outputs for g in out["generations"]], killed_at,
                           status.generation)
@@ -211,6 +232,8 @@ def measure(n: int, config: ScaleConfig, progress: Callable[[str], None]) -> dic
         "register_rtt_p99_s": round(percentile(registers, 99), 5),
         "controller_cpu_fraction": round(cpu_frac, 4),
         "controller_cpu_ms_per_agent_s": round(1000 * cpu_frac / n, 4),
+        "relays": len(relays),
+        "relays_cpu_fraction": round((relay_cpu1 - relay_cpu0) / (t1 - t0), 4),
         "status_rtt_p50_s": round(percentile(rtts, 50), 5) if rtts else None,
         "status_rtt_p99_s": round(percentile(rtts, 99), 5) if rtts else None,
         "status_probes": len(rtts),
@@ -246,6 +269,7 @@ def run(config: ScaleConfig, progress: Callable[[str], None]) -> dict[str, Any]:
     return {"benchmark": "controller", "environment": env,
             "loadavg_1m_end": environment()["loadavg_1m"],
             "config": {"agents": config.agents, "duration_s": config.duration_s,
+                       "relays": config.relays,
                        "heartbeat_s": config.heartbeat_s, "slots_per_agent": 1},
             "rows": rows, "cpu_fixed_fraction": fit[0] if fit else None,
             "cpu_fraction_per_agent": fit[1] if fit else None,

@@ -2,7 +2,7 @@
 
     recover bench recovery --out DIR [--runs N] [--replicas R] [--microbatches M]
     recover bench overhead --out DIR [--replicas R] [-M M] [--steps T] [--reps K]
-    recover bench controller --out DIR [--agents N1,N2,...] [--duration S]
+    recover bench controller --out DIR [--agents N1,N2,...] [--duration S] [--relays K]
 
 The work lives in recover.bench; bad input is a UsageError (one line, exit 2).
 """
@@ -85,6 +85,9 @@ def add_parsers(kinds: Any) -> None:
                      metavar="N1,N2,...", help="agent counts to try (default 10,100,500,1000)")
     ctl.add_argument("--duration", type=float, default=15.0,
                      help="seconds of steady heartbeats measured per count (default 15)")
+    ctl.add_argument("--relays", type=int, default=0,
+                     help="agents reach the controller through this many relays (`recover "
+                          "relay`, one per rack; 0: directly, the default)")
 
 
 def _write(out: Path, results: dict[str, Any]) -> None:
@@ -142,9 +145,11 @@ def _controller(args: argparse.Namespace) -> int:
 
     if not 3 <= args.duration <= 600:
         raise UsageError(f"--duration must be 3..600 seconds, got {args.duration}")
+    if not 0 <= args.relays <= 1000:
+        raise UsageError(f"--relays must be 0..1000, got {args.relays}")
     out = out_dir(args.out)
     results = controller_scale.run(controller_scale.ScaleConfig(
-        agents=args.agents, duration_s=args.duration, out=out), say)
+        agents=args.agents, duration_s=args.duration, out=out, relays=args.relays), say)
     _write(out, results)
     print(controller_scale.format_table(results))
     print(f"results: {out / 'results.json'}")

@@ -89,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
             cert, key = init_ca(folder, args.name, args.days)
             print(f"recover certs: created the CA {cert} (key {key}: keep it off the cluster)")
             return 0
-        hosts = args.host or (["localhost", "127.0.0.1"] if "controller" in args.role else [])
+        hosts = args.host or (["localhost", "127.0.0.1"] if {"controller", "relay"} & set(args.role)
+                          else [])
         bad = [host for host in hosts if not valid_host(host)]
         if bad:
             raise UsageError(f"recover certs: --host {bad[0]!r} is neither an IP address nor a "
@@ -169,6 +170,9 @@ def issue(folder: Path, name: str, roles: list[Role], hosts: list[str], days: in
             names.append(x509.DNSName(host))
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
+    serves = {Role.CONTROLLER, Role.RELAY} & set(roles) or hosts  # a server to its clients
+    usages = ([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH] if serves
+              else [ExtendedKeyUsageOID.CLIENT_AUTH])
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name),
                          *(x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, str(r))
                            for r in roles)])
@@ -177,10 +181,7 @@ def issue(folder: Path, name: str, roles: list[Role], hosts: list[str], days: in
                .not_valid_before(not_before or now - datetime.timedelta(minutes=5))
                .not_valid_after(not_after or now + datetime.timedelta(days=days))
                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-               .add_extension(x509.ExtendedKeyUsage(
-                   [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-                   if Role.CONTROLLER in roles or hosts else [ExtendedKeyUsageOID.CLIENT_AUTH]),
-                              critical=False))
+               .add_extension(x509.ExtendedKeyUsage(usages), critical=False))
     if names:
         builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
     cert = builder.sign(ca_key, hashes.SHA256())

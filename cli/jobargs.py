@@ -145,3 +145,11 @@ def parse_address(text: str, flag: str = "--controller") -> str:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise UsageError(f"{flag} {text!r} is not HOST:PORT")
     return text
+
+
+def parse_addresses(text: str, flag: str = "--controller") -> list[str]:
+    """HOST:PORT[,HOST:PORT...] -> the list; UsageError naming the bad part."""
+    parts = [part.strip() for part in text.split(",")]
+    if not all(parts):
+        raise UsageError(f"{flag} {text!r} has an empty address")
+    return [parse_address(part, flag) for part in parts]

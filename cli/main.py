@@ -38,7 +38,7 @@ elif "GRPC_VERBOSITY" not in os.environ:
     os.environ["RECOVER_QUIETED_GRPC"] = "1"
 
 from recover.agent.restarts import RESTART_WINDOW_S
-from recover.cli import bench, certs, export, jobfile
+from recover.cli import bench, certs, export, jobfile, relaycmd
 from recover.cli.access import (
     add_operator_parsers,
     add_security_arguments,
@@ -52,6 +52,7 @@ from recover.cli.jobargs import (
     bounded_count,
     job_from_args,
     parse_address,
+    parse_addresses,
     positive_seconds,
     restart_count,
 )
@@ -222,6 +223,7 @@ def build_parser() -> Parser:
     add_security_arguments(summary)
     add_operator_parsers(sub)
     certs.add_parser(sub)
+    relaycmd.add_parser(sub)
     verify = sub.add_parser("verify", help="compare two runs step by step (samples, parameters)")
     verify.add_argument("run_a", help="a run directory (with summary.json) or a summary.json")
     verify.add_argument("run_b")
@@ -240,14 +242,6 @@ def build_parser() -> Parser:
                       help="legend label per run, in order (repeatable)")
     bench.add_bench_parser(sub)
     return parser
-
-
-def parse_addresses(text: str, flag: str = "--controller") -> list[str]:
-    """HOST:PORT[,HOST:PORT...] -> the list; UsageError naming the bad part."""
-    parts = [part.strip() for part in text.split(",")]
-    if not all(parts):
-        raise UsageError(f"{flag} {text!r} has an empty address")
-    return [parse_address(part, flag) for part in parts]
 
 
 def job_parser(parser: Parser, path: tuple[str, ...]) -> Parser:
@@ -390,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "certs":
             return certs.run(args)
+        if args.command == "relay":
+            return relaycmd.run(args)
         parse_addresses(args.controller)
         if args.command in ("stop", "drain", "spares"):
             return run_operator(args)

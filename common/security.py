@@ -48,6 +48,9 @@ class Role(StrEnum):
     """A reader that may also stop the job, drain a host and change the spares."""
     CONTROLLER = "controller"
     """A controller's own certificate (it serves; as a client it only reads)."""
+    RELAY = "relay"
+    """A rack's relay (`recover relay`): serves its agents' sessions and speaks for them to
+    the leader, which believes the agent identities it names."""
 
 
 ALL_ROLES = frozenset(Role)

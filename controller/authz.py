@@ -73,6 +73,7 @@ def may_register(agent_id: str, live_sessions: Collection[str], subject: str = "
 
 RPC_ROLES: dict[str, frozenset[Role]] = {
     "Session": frozenset({Role.AGENT}),
+    "Relay": frozenset({Role.RELAY}),
     "Status": frozenset({Role.READER, Role.OPERATOR, Role.CONTROLLER, Role.AGENT}),
     "Events": frozenset({Role.READER, Role.OPERATOR, Role.CONTROLLER}),
     "Report": frozenset({Role.READER, Role.OPERATOR, Role.CONTROLLER}),

@@ -270,6 +270,11 @@ class Coordinator:
     async def replica_request(self, agent_id: str, request: pb.ReplicaRequest) -> None:
         await self._run(membership.replica_request, agent_id, request)
 
+    @property
+    def agent_timeout_s(self) -> float:
+        """How long an agent may be silent before it is lost."""
+        return self._agent_timeout_s
+
     def heartbeat(self, agent_id: str) -> None:
         if agent_id in self.view.agents:
             self.heartbeats[agent_id] = self._clock()

@@ -19,18 +19,15 @@ from prometheus_client import CollectorRegistry, start_http_server
 from recover.common import ckptfile
 from recover.common.netaddr import is_loopback, write_port_file
 from recover.common.security import Authenticator, Security, exposure, server_credentials
+from recover.controller.control import ControlService, run_report
 from recover.controller.coordinator import Coordinator, JobState
 from recover.controller.gate import Gate, add_service
 from recover.controller.leader import ElectionConfig, LeaderElection, LeaderStore, LostLeadership
 from recover.controller.metrics import ControllerCollector, RoleCollector
 from recover.controller.records import Records
+from recover.controller.relayed import RelayHub
 from recover.controller.rendezvous import MAX_KEYS, MAX_MB, RendezvousHost
-from recover.controller.service import (
-    KEEPALIVE_SERVER_OPTIONS,
-    AgentSessions,
-    ControlService,
-    run_report,
-)
+from recover.controller.service import KEEPALIVE_SERVER_OPTIONS, AgentSessions
 from recover.controller.store import Store, StoreError
 from recover.controller.store_url import open_store
 from recover.controller.summary import build_summary, write_summary
@@ -133,6 +130,8 @@ async def serve(config: ControllerConfig, job: pb.JobConfig) -> int:
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *KEEPALIVE_SERVER_OPTIONS])
     add_service(server, sessions, "AgentSession")
     add_service(server, control, "Control")
+    relays = RelayHub(sessions)
+    add_service(server, relays, "RelayLink")
     listen = f"{config.host}:{config.port}"
     try:
         port = (server.add_secure_port(listen, server_credentials(security)) if security.tls
@@ -174,7 +173,8 @@ async def serve(config: ControllerConfig, job: pb.JobConfig) -> int:
             if await _until(election.campaign(), stop) is None:
                 break
             coordinator = await _lead(config, job, election, sessions, rendezvous, registry)
-            ended = await _until(_serve_term(config, coordinator, election, sessions), stop)
+            ended = await _until(_serve_term(config, coordinator, election, sessions, relays),
+                                 stop)
             if ended is None or ended == FINISHED:
                 break
             # Deposed: this term's state is stale; drop it and stand by again.
@@ -252,13 +252,16 @@ async def _lead(config: ControllerConfig, job: pb.JobConfig, election: LeaderEle
 
 
 async def _serve_term(config: ControllerConfig, coordinator: Coordinator,
-                      election: LeaderElection, sessions: AgentSessions) -> str:
+                      election: LeaderElection, sessions: AgentSessions,
+                      relays: RelayHub) -> str:
     """Lead until leadership is lost (returns why) or the job is over and lingered (FINISHED)."""
 
     async def watch_liveness() -> str:
         while True:
             await asyncio.sleep(0.25)
             sessions.beat()
+            if election.holds():
+                relays.beat(election.term)
             async with sessions.lock:
                 try:
                     await coordinator.check_liveness()

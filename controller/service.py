@@ -1,4 +1,5 @@
-"""gRPC face of the controller: one stream per agent, and the user's Control API."""
+"""gRPC face of the controller for agents: one stream per agent (or per rack's relay,
+`relayed.py`), its messages fed into the coordinator under one lock."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from typing import Protocol
 
 import grpc
 
@@ -16,7 +18,6 @@ from recover.controller.coordinator import Coordinator
 from recover.controller.gate import Gate, Malformed
 from recover.controller.jobstate import RegistrationRefused
 from recover.controller.leader import LeaderElection, LostLeadership
-from recover.controller.operations import Decision
 from recover.controller.store import StoreError
 from recover.proto import pb, rpc
 
@@ -35,6 +36,12 @@ KEEPALIVE_SERVER_OPTIONS = [
     ("grpc.http2.max_ping_strikes", 0),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
+
+
+class Outbox(Protocol):
+    """Where an agent's messages go: its session's queue, or its relay (None: end it)."""
+
+    def put_nowait(self, message: pb.ControllerMessage | None) -> None: ...
 
 
 def due_for_beat(agents: Iterable[str], last_sent: Mapping[str, float], now: float,
@@ -64,9 +71,13 @@ class AgentSessions(rpc.AgentSessionServicer):
         """Commands not sent because our lease may have expired (a deposed leader's)."""
 
         self._coordinator: Coordinator | None = None
-        self._queues: dict[str, asyncio.Queue[pb.ControllerMessage | None]] = {}
+        self._queues: dict[str, Outbox] = {}
         self._last_sent: dict[str, float] = {}
         """Agent -> when we last sent it anything (monotonic): any message shows we lead."""
+        self._via_relay: set[str] = set()
+        """Agents whose relay beats them (it hears the leader for them all: relayed.py)."""
+        self.release_hooks: list[Callable[[], None]] = []
+        """Called when we stop leading (the relays' streams end too)."""
 
     @property
     def coordinator(self) -> Coordinator | None:
@@ -83,13 +94,17 @@ class AgentSessions(rpc.AgentSessionServicer):
             queue.put_nowait(None)
         self._queues.clear()
         self._last_sent.clear()
+        self._via_relay.clear()
+        for hook in self.release_hooks:
+            hook()
 
     def beat(self, every_s: float = BEAT_EVERY_S) -> None:
         """Tell every agent that heard nothing from us for `every_s` that we still lead (they
         look for a new leader after their leader timeout of silence). An agent fed commits
         and plans needs no beat: any message shows the same."""
         beat = pb.ControllerMessage(heartbeat=pb.Heartbeat(sent_at=time.time()))
-        for agent_id in due_for_beat(self._queues, self._last_sent, time.monotonic(), every_s):
+        direct = (a for a in self._queues if a not in self._via_relay)
+        for agent_id in due_for_beat(direct, self._last_sent, time.monotonic(), every_s):
             self.send(agent_id, beat)
 
     def send(self, agent_id: str, message: pb.ControllerMessage) -> None:
@@ -106,7 +121,7 @@ class AgentSessions(rpc.AgentSessionServicer):
             queue.put_nowait(message)
             self._last_sent[agent_id] = time.monotonic()
 
-    async def _leader_hint(self) -> str:
+    async def leader_hint(self) -> str:
         election = self.election
         try:
             leader = await election.leader() if election is not None else None
@@ -124,7 +139,7 @@ class AgentSessions(rpc.AgentSessionServicer):
         peer = authz.peer_host(context.peer() or "")
         coordinator = self._coordinator
         if coordinator is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, await self._leader_hint())
+            await context.abort(grpc.StatusCode.UNAVAILABLE, await self.leader_hint())
             return
         queue: asyncio.Queue[pb.ControllerMessage | None] = asyncio.Queue()
         agent_id: str | None = None
@@ -142,38 +157,18 @@ class AgentSessions(rpc.AgentSessionServicer):
                         return
                     kind = message.WhichOneof("kind")
                     if kind == "register" and agent_id is None:
-                        reg = message.register
-                        async with self.lock:
-                            known = coordinator.agents.get(reg.agent_id)
-                            verdict = authz.may_register(reg.agent_id, self._queues, subject,
-                                                         known.subject if known else None)
-                            if not verdict.allowed:
-                                self.reject(coordinator, verdict)
-                                refused.append((grpc.StatusCode.PERMISSION_DENIED, verdict.reason))
-                                return
-                            # Installed only now that no live session holds this id, so a
-                            # refusal never touches another agent's session.
-                            self._queues[reg.agent_id] = queue
-                            try:
-                                await coordinator.register_agent(
-                                    reg.agent_id, reg.host, reg.slots,
-                                    list(reg.replica_ids) if reg.resume else None, subject)
-                            except RegistrationRefused as refusal:
-                                if self._queues.get(reg.agent_id) is queue:
-                                    del self._queues[reg.agent_id]
-                                refused.append((grpc.StatusCode.FAILED_PRECONDITION, str(refusal)))
-                                return
-                            except LostLeadership:  # no answer: the agent looks for the leader
-                                if self._queues.get(reg.agent_id) is queue:
-                                    del self._queues[reg.agent_id]
-                                raise
-                        agent_id = reg.agent_id
+                        refusal = await self.register(coordinator, message.register, queue,
+                                                      subject)
+                        if refusal is not None:
+                            refused.append(refusal)
+                            return
+                        agent_id = message.register.agent_id
                     elif agent_id is None:
                         refused.append((grpc.StatusCode.FAILED_PRECONDITION,
                                         "the first message of a session must be `register`"))
                         return
                     else:
-                        await self._dispatch(coordinator, agent_id, kind, message, peer)
+                        await self.dispatch(coordinator, agent_id, kind, message, peer)
             except (grpc.aio.AioRpcError, asyncio.CancelledError):
                 pass
             except LostLeadership:
@@ -191,15 +186,56 @@ class AgentSessions(rpc.AgentSessionServicer):
                 await context.abort(*refused[0])
         finally:
             reader.cancel()
-            if agent_id is not None and coordinator is self._coordinator:
-                if self._queues.get(agent_id) is queue:
-                    del self._queues[agent_id]
-                    self._last_sent.pop(agent_id, None)
-                async with self.lock:
-                    try:
-                        await coordinator.agent_lost(agent_id, "session closed")
-                    except LostLeadership:
-                        self.deposed.set()
+            if agent_id is not None:
+                await self.session_over(coordinator, agent_id, queue)
+
+    async def register(self, coordinator: Coordinator, reg: pb.RegisterAgent, outbox: Outbox,
+                       subject: str, via_relay: bool = False
+                       ) -> tuple[grpc.StatusCode, str] | None:
+        """Bind `reg.agent_id` to `outbox` and register the agent; why not (a status code and
+        a reason for the agent), or None. LostLeadership: no answer, the agent looks for
+        the leader."""
+        async with self.lock:
+            known = coordinator.agents.get(reg.agent_id)
+            verdict = authz.may_register(reg.agent_id, self._queues, subject,
+                                         known.subject if known else None)
+            if not verdict.allowed:
+                self.reject(coordinator, verdict)
+                return grpc.StatusCode.PERMISSION_DENIED, verdict.reason
+            # Installed only now that no live session holds this id, so a refusal never
+            # touches another agent's session.
+            self._queues[reg.agent_id] = outbox
+            if via_relay:
+                self._via_relay.add(reg.agent_id)
+            try:
+                await coordinator.register_agent(
+                    reg.agent_id, reg.host, reg.slots,
+                    list(reg.replica_ids) if reg.resume else None, subject)
+            except RegistrationRefused as refusal:
+                self._unbind(reg.agent_id, outbox)
+                return grpc.StatusCode.FAILED_PRECONDITION, str(refusal)
+            except LostLeadership:
+                self._unbind(reg.agent_id, outbox)
+                raise
+        return None
+
+    def _unbind(self, agent_id: str, outbox: Outbox) -> None:
+        if self._queues.get(agent_id) is outbox:
+            del self._queues[agent_id]
+            self._last_sent.pop(agent_id, None)
+            self._via_relay.discard(agent_id)
+
+    async def session_over(self, coordinator: Coordinator, agent_id: str, outbox: Outbox,
+                           why: str = "session closed") -> None:
+        """An agent's session ended: the agent is lost (unless this term is over)."""
+        if coordinator is not self._coordinator:
+            return
+        self._unbind(agent_id, outbox)
+        async with self.lock:
+            try:
+                await coordinator.agent_lost(agent_id, why)
+            except LostLeadership:
+                self.deposed.set()
 
     @staticmethod
     def _about(kind: str | None, message: pb.AgentMessage) -> tuple[int, str]:
@@ -224,8 +260,8 @@ class AgentSessions(rpc.AgentSessionServicer):
             coordinator.events.emit("rejected", f"{code}{so_far}: {verdict.reason}",
                                     level=logging.WARNING)
 
-    async def _dispatch(self, coordinator: Coordinator, agent_id: str, kind: str | None,
-                        message: pb.AgentMessage, peer: str | None = None) -> None:
+    async def dispatch(self, coordinator: Coordinator, agent_id: str, kind: str | None,
+                       message: pb.AgentMessage, peer: str | None = None) -> None:
         if kind == "heartbeat":
             coordinator.heartbeat(agent_id)
             return
@@ -279,141 +315,3 @@ class AgentSessions(rpc.AgentSessionServicer):
                         self.reject(coordinator, believed)
                         return
                     coordinator.checkpoint_written(report.replica, written)
-
-
-class ControlService(rpc.ControlServicer):
-    """Read-only user API: status, events, the run's report. A standby answers
-    status with its role and the leader's address, and refuses the rest."""
-
-    def __init__(self, sessions: AgentSessions) -> None:
-        self._sessions = sessions
-        self._gate = sessions.gate
-        self.election: LeaderElection | None = None
-
-    async def _standby_status(self) -> pb.JobStatus:
-        election = self.election
-        status = pb.JobStatus(state="standby", role="standby")
-        try:
-            leader = await election.leader() if election is not None else None
-        except StoreError:
-            leader = None
-        if leader is not None:
-            status.leader, status.term = leader.address, leader.term
-            status.reason = f"standing by; leader {leader.address} (term {leader.term})"
-        else:
-            status.reason = "standing by; no leader right now"
-        return status
-
-    async def _leading(self, context: grpc.aio.ServicerContext) -> Coordinator:
-        coordinator = self._sessions.coordinator
-        if coordinator is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, (await self._standby_status()).reason)
-        assert coordinator is not None
-        return coordinator
-
-    async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext  # noqa: N802
-                     ) -> pb.JobStatus:
-        await self._gate.admit(context, "Status", request)
-        coordinator = self._sessions.coordinator
-        if coordinator is None:
-            return await self._standby_status()
-        status = job_status(coordinator)
-        if self.election is not None:
-            status.role, status.term, status.leader = "leader", self.election.term, self.election.address
-        return status
-
-    async def Events(self, request: pb.EventsRequest, context: grpc.aio.ServicerContext  # noqa: N802
-                     ) -> pb.EventList:
-        await self._gate.admit(context, "Events", request)
-        coordinator = await self._leading(context)
-        return pb.EventList(events=coordinator.events.since(request.after_seq))
-
-    async def Report(self, request: pb.ReportRequest, context: grpc.aio.ServicerContext  # noqa: N802
-                     ) -> pb.RunReport:
-        await self._gate.admit(context, "Report", request)
-        return run_report(await self._leading(context))
-
-    async def Stop(self, request: pb.StopRequest, context: grpc.aio.ServicerContext  # noqa: N802
-                   ) -> pb.OperatorReply:
-        identity = await self._gate.admit(context, "Stop", request)
-        return await self._operate(context, lambda c: c.request_stop(identity.subject,
-                                                                     request.reason))
-
-    async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext  # noqa: N802
-                    ) -> pb.OperatorReply:
-        identity = await self._gate.admit(context, "Drain", request)
-        return await self._operate(context, lambda c: c.request_drain(
-            request.agent_id, identity.subject, request.reason))
-
-    async def SetSpares(self, request: pb.SparesRequest,  # noqa: N802
-                        context: grpc.aio.ServicerContext) -> pb.OperatorReply:
-        identity = await self._gate.admit(context, "SetSpares", request)
-        return await self._operate(context, lambda c: c.set_spares(request.spares,
-                                                                   identity.subject))
-
-    async def _operate(self, context: grpc.aio.ServicerContext,
-                       action: Callable[[Coordinator], Awaitable[Decision]]) -> pb.OperatorReply:
-        coordinator = await self._leading(context)
-        async with self._sessions.lock:  # one transition at a time, as for agents' reports
-            if coordinator is not self._sessions.coordinator:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "leadership changed; try again")
-            try:
-                decision = await action(coordinator)
-            except LostLeadership:
-                self._sessions.deposed.set()
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "leadership changed; try again")
-        return pb.OperatorReply(accepted=decision.accepted, reason=decision.reason)
-
-
-def join_intervals(events: list[pb.Event]) -> list[pb.JoinInterval]:
-    """Each replica's way in, from the event log: its first join attempt to its entry."""
-    started: dict[int, float] = {}
-    intervals = []
-    for event in events:
-        if event.kind == "join-started":
-            started.setdefault(event.replica, event.at)
-        elif event.kind in ("replica-joined", "spare-promoted") and event.replica in started:
-            intervals.append(pb.JoinInterval(replica=event.replica,
-                                             started_at=started.pop(event.replica),
-                                             entered_at=event.at,
-                                             spare=event.kind == "spare-promoted"))
-    return intervals
-
-
-def run_report(c: Coordinator) -> pb.RunReport:
-    """Everything the leader knows of the run, for `recover run`, `recover summary` and
-    the controller's own summary.json."""
-    return pb.RunReport(
-        job=c.job, status=job_status(c), steps=c.steps, failures=c.failures,
-        started_at=c.started_at, finished_at=c.finished_at, workload=c.workload,
-        last_checkpoint=c.last_checkpoint, joins=join_intervals(c.events.since(0)),
-        recovery_timings=[pb.RecoveryTiming(**{f"{phase}_s": seconds for phase, seconds
-                                               in timing.items()})
-                          for timing in c.recovery.timings])
-
-
-def job_status(c: Coordinator) -> pb.JobStatus:
-    now = c.finished_at or c.now()
-    speeds = c.speeds()
-    return pb.JobStatus(
-        job_id=c.job.job_id,
-        state=str(c.state),
-        reason=c.reason,
-        generation=c.generation,
-        steps_committed=len(c.steps),
-        steps_total=c.job.steps,
-        live_replicas=[r for r, info in sorted(c.replicas.items())
-                       if info.alive and r not in c.joins.joins],
-        load=[pb.ReplicaLoad(replica=r, microbatches=len(ids), microbatch_s=speeds.get(r, 0.0))
-              for r, ids in sorted(c.plan.items())],
-        recoveries=c.recoveries,
-        last_loss=c.steps[-1].loss if c.steps else 0.0,
-        tokens=sum(s.tokens for s in c.steps),
-        elapsed_s=now - c.started_at if c.started_at else 0.0,
-        agents=sum(a.alive for a in c.agents.values()),
-        redos=c.redos,
-        joining=sorted(c.joins.joins),
-        work_stealing=c.job.work_stealing,
-        steals=c.steals.steals,
-        microbatches_stolen=c.steals.stolen,
-    )

@@ -714,6 +714,54 @@ class ControllerMessage(_message.Message):
     term: int
     def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., generation: _Optional[_Union[GenerationView, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., replica_assigned: _Optional[_Union[ReplicaAssigned, _Mapping]] = ..., donate: _Optional[_Union[Donate, _Mapping]] = ..., join: _Optional[_Union[Join, _Mapping]] = ..., stop_replica: _Optional[_Union[StopReplica, _Mapping]] = ..., share: _Optional[_Union[ShareUpdate, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., term: _Optional[int] = ...) -> None: ...
 
+class RelayedMessage(_message.Message):
+    __slots__ = ("agent_id", "message", "closed", "subject", "peer", "reason")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    SUBJECT_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    message: AgentMessage
+    closed: bool
+    subject: str
+    peer: str
+    reason: str
+    def __init__(self, agent_id: _Optional[str] = ..., message: _Optional[_Union[AgentMessage, _Mapping]] = ..., closed: _Optional[bool] = ..., subject: _Optional[str] = ..., peer: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RelayUp(_message.Message):
+    __slots__ = ("relay_id", "messages")
+    RELAY_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    relay_id: str
+    messages: _containers.RepeatedCompositeFieldContainer[RelayedMessage]
+    def __init__(self, relay_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[RelayedMessage, _Mapping]]] = ...) -> None: ...
+
+class RelayDelivery(_message.Message):
+    __slots__ = ("agent_ids", "message", "end", "code", "reason")
+    AGENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    agent_ids: _containers.RepeatedScalarFieldContainer[str]
+    message: ControllerMessage
+    end: bool
+    code: int
+    reason: str
+    def __init__(self, agent_ids: _Optional[_Iterable[str]] = ..., message: _Optional[_Union[ControllerMessage, _Mapping]] = ..., end: _Optional[bool] = ..., code: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RelayDown(_message.Message):
+    __slots__ = ("deliveries", "term", "agent_timeout_s")
+    DELIVERIES_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    AGENT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    deliveries: _containers.RepeatedCompositeFieldContainer[RelayDelivery]
+    term: int
+    agent_timeout_s: float
+    def __init__(self, deliveries: _Optional[_Iterable[_Union[RelayDelivery, _Mapping]]] = ..., term: _Optional[int] = ..., agent_timeout_s: _Optional[float] = ...) -> None: ...
+
 class Welcome(_message.Message):
     __slots__ = ("replica", "job")
     REPLICA_FIELD_NUMBER: _ClassVar[int]

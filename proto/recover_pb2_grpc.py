@@ -97,6 +97,78 @@ class AgentSession:
             _registered_method=True)
 
 
+class RelayLinkStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Relay = channel.stream_stream(
+                '/recover.v1.RelayLink/Relay',
+                request_serializer=recover_dot_proto_dot_recover__pb2.RelayUp.SerializeToString,
+                response_deserializer=recover_dot_proto_dot_recover__pb2.RelayDown.FromString,
+                _registered_method=True)
+
+
+class RelayLinkServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Relay(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_RelayLinkServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Relay': grpc.stream_stream_rpc_method_handler(
+                    servicer.Relay,
+                    request_deserializer=recover_dot_proto_dot_recover__pb2.RelayUp.FromString,
+                    response_serializer=recover_dot_proto_dot_recover__pb2.RelayDown.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'recover.v1.RelayLink', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('recover.v1.RelayLink', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class RelayLink:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Relay(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/recover.v1.RelayLink/Relay',
+            recover_dot_proto_dot_recover__pb2.RelayUp.SerializeToString,
+            recover_dot_proto_dot_recover__pb2.RelayDown.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class WorkerChannelStub:
     """Missing associated documentation comment in .proto file."""
 

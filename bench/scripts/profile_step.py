@@ -91,7 +91,7 @@ CONTROLLER_CATEGORIES: list[tuple[str, str]] = [
     ("grpc/protobuf (python side)", r"SerializeToString|FromString|_pb2|grpc/"),
     ("status / events RPCs (the launcher polling)", r"ControlService\.|job_status"),
     ("grpc aio: reading agent streams (cython, incl. protobuf parsing)",
-     r"AgentSessions\.Session\.<locals>\.read \(controller/service\.py:4[45]\)"),
+     r"AgentSessions\.Session\.<locals>\.read \(controller/service\.py:1[45][0-9]\)"),
     ("service dispatch / session queues", r"AgentSessions\.|controller/service\.py"),
     ("liveness watch", r"watch_liveness"),
 ]

@@ -40,6 +40,10 @@ def who(*roles: Role) -> Identity:
 @pytest.mark.parametrize("method, identity, allowed, reason", [
     ("Session", who(Role.AGENT), True, "allowed"),
     ("Session", who(Role.OPERATOR), False, "alice (operator) may not call Session: it needs agent"),
+    # Only a relay may speak for other agents (it names their identities to the leader).
+    ("Relay", who(Role.RELAY), True, "allowed"),
+    ("Relay", who(Role.AGENT), False, "alice (agent) may not call Relay: it needs relay"),
+    ("Relay", who(Role.CONTROLLER), False, "needs relay"),
     ("Status", who(Role.READER), True, "allowed"),
     ("Status", who(Role.AGENT), True, "allowed"),
     ("Events", who(Role.AGENT), False, "needs controller or operator or reader"),

@@ -17,15 +17,20 @@ ROOT = Path(__file__).resolve().parents[2]
 FORBIDDEN = {
     # The agent and the trainer talk to the controller only over gRPC or the agent channel.
     "recover.agent": {"recover.controller", "recover.cli", "recover.bench", "recover.client",
-                      "recover.workloads"},
+                      "recover.workloads", "recover.relay"},
     "recover.trainer": {"recover.controller", "recover.agent", "recover.cli", "recover.bench",
-                        "recover.client", "recover.workloads"},
+                        "recover.client", "recover.workloads", "recover.relay"},
     "recover.controller": {"recover.agent", "recover.cli", "recover.bench", "recover.client",
-                           "recover.workloads"},
+                           "recover.workloads", "recover.relay"},
+    # A rack's relay: the controller's door (gate) towards agents, the agent's link and
+    # fencing rules towards the leader; nothing of training.
+    "recover.relay": {"recover.trainer", "recover.cli", "recover.bench", "recover.client",
+                      "recover.workloads"},
     "recover.common": {"recover.controller", "recover.agent", "recover.trainer", "recover.cli",
-                       "recover.bench", "recover.client", "recover.workloads"},
+                       "recover.bench", "recover.client", "recover.workloads", "recover.relay"},
     "recover.proto": {"recover.controller", "recover.agent", "recover.trainer", "recover.cli",
-                      "recover.bench", "recover.client", "recover.workloads", "recover.common"},
+                      "recover.bench", "recover.client", "recover.workloads", "recover.common",
+                      "recover.relay"},
     # The library of benchmarks is used by the command line, never the other way round.
     "recover.bench": {"recover.cli"},
     "recover.client": {"recover.cli", "recover.bench"},

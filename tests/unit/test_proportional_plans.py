@@ -84,8 +84,8 @@ def test_a_lost_members_microbatches_go_where_they_finish_earliest():
 
 def test_quotas_and_measured_speeds_are_visible_in_status_and_metrics():
     from recover.cli.inspect import format_status
+    from recover.controller.control import job_status
     from recover.controller.metrics import ControllerCollector
-    from recover.controller.service import job_status
 
     async def body():
         h = await started()

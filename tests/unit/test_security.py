@@ -161,6 +161,7 @@ def test_what_a_controller_leaves_open_is_one_warning(security: Security, loopba
 
 @pytest.mark.parametrize("roles, hosts, serves", [
     ([Role.CONTROLLER], ["localhost"], True),
+    ([Role.RELAY], ["localhost"], True),  # a relay serves its rack's agents
     ([Role.AGENT], [], False),
     ([Role.READER, Role.OPERATOR], [], False),
 ])

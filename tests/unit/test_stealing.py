@@ -7,9 +7,9 @@ import pytest
 
 from recover.agent import fencing
 from recover.cli.inspect import format_status
+from recover.controller.control import job_status
 from recover.controller.metrics import ControllerCollector
 from recover.controller.records import PersistedJob, Records
-from recover.controller.service import job_status
 from recover.controller.stealflow import StealBook
 from recover.controller.stealing import Member, decide, last_open, split_unstarted
 from recover.controller.view import JobView

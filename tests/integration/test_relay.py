@@ -1,0 +1,173 @@
+"""Agents behind a rack's relay (`recover relay`): the leader handles one stream for the rack,
+and neither the job nor the agents can tell. Real processes: controller, relay, agents."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from recover.agent.link import LinkError, close_session, open_session
+from recover.cli.certs import init_ca, issue
+from recover.cli.inspect import to_json
+from recover.common.security import Role, Security, aio_channel
+from recover.proto import pb, rpc
+from tests.etcd_cluster import free_port
+from tests.integration.conftest import (
+    BASE_ARGS,
+    Processes,
+    assert_same_training,
+    control_events,
+    wait_for,
+)
+from tests.integration.test_hosts import job_state
+
+pytestmark = pytest.mark.slow
+
+
+def _relay(processes: Processes, folder: Path, controller: str, name: str, *extra: str) -> str:
+    port_file = folder / f"{name}.port"
+    processes.start(name, "relay", "--controller", controller, "--listen", "127.0.0.1:0",
+                    "--port-file", str(port_file), "--relay-id", name, *extra)
+    port = wait_for(lambda: port_file.exists() and port_file.read_text().strip(), 30,
+                    f"{name} to listen")
+    return f"127.0.0.1:{port}"
+
+
+def _events(address: str, kind: str, reader: tuple[Path, Path, Path] | None = None
+            ) -> list[dict[str, Any]]:
+    """The controller's events of one kind; over mutual TLS with `reader` (cert, key, CA)."""
+    if reader is None:
+        events = control_events(address)
+    else:
+        cert, key, ca = (p.read_bytes() for p in reader)
+        credentials = grpc.ssl_channel_credentials(ca, key, cert)
+        with grpc.secure_channel(address, credentials) as channel:
+            events = list(rpc.ControlStub(channel).Events(pb.EventsRequest(), timeout=5).events)
+    return [json.loads(to_json(e)) for e in events if e.kind == kind]
+
+
+def test_a_job_through_a_relay_trains_as_it_would_directly(tmp_path: Path,
+                                                           reference: dict[str, Any]) -> None:
+    """Why several processes: the relay carries every kind of message a real job sends
+    between real agents and the leader (registration, readiness with the check of a
+    newcomer's transfer address against its session's host, reduced reports with applied
+    ones folded in, a worker's exit, the restarted worker's join and state transfer,
+    commits and the end). One job checks them all against the failure-free reference."""
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    processes = Processes(tmp_path / "logs")
+    job = [a for a in BASE_ARGS if a != "--quiet"]
+    try:
+        processes.start("controller", "controller", "--port", str(port), *job,
+                        "--job-id", "relayed", "--kill", "step=1,replica=1,phase=backward",
+                        # Emulated compute (the trajectory is the reference's): steps long
+                        # enough for the killed worker's restart to rejoin before the end.
+                        "--compute-ms", "150",
+                        "--summary-out", str(tmp_path / "ctl"), "--linger", "30")
+        relay = _relay(processes, tmp_path, address, "rack-a")
+        for name in ("a", "b"):
+            processes.start(f"agent-{name}", "agent", "--controller", relay, "--slots", "2",
+                            "--agent-id", name, "--log-dir", str(tmp_path / "logs"),
+                            "--connect-timeout", "30")
+        wait_for(lambda: job_state(address) in ("succeeded", "failed"), 150, "the job to end")
+        summary_file = tmp_path / "ctl" / "summary.json"
+        wait_for(summary_file.exists, 10, "the controller's summary.json")
+        summary = json.loads(summary_file.read_text())
+        assert_same_training(summary, reference)
+        assert summary["recoveries"] >= 1
+        # The killed worker came back through the relay: its restart joined the job again.
+        assert _events(address, "replica-joined"), "the restarted worker never rejoined"
+        assert {e["message"].split()[1] for e in _events(address, "agent-registered")} == {
+            "a", "b"}
+        relay_log = (tmp_path / "logs" / "rack-a.log").read_text()
+        assert "relaying to the leader" in relay_log
+    finally:
+        processes.stop()
+
+
+def test_a_relay_over_mutual_tls_refuses_impostors_and_its_death_loses_its_agents(
+        tmp_path: Path) -> None:
+    """Over mutual TLS, as on a cluster: the relay serves its agents with a certificate of the
+    relay role and shows it to the controller, which lets no other role speak for agents.
+    The agents are the real agent's session code (`agent.link.open_session`) without
+    workers, so the test costs two processes without torch: the controller and the relay."""
+    certs = tmp_path / "certs"
+    init_ca(certs, "test CA", 1)
+    credentials = {}
+    for name, roles in (("controller", [Role.CONTROLLER]), ("rack-b", [Role.RELAY]),
+                        ("host", [Role.AGENT]), ("ops", [Role.READER])):
+        cert, key = issue(certs, name, roles, ["127.0.0.1", "localhost"]
+                          if name in ("controller", "rack-b") else [], 1)
+        credentials[name] = ["--tls-cert", str(cert), "--tls-key", str(key),
+                             "--tls-ca", str(certs / "ca.pem")]
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    processes = Processes(tmp_path / "logs")
+    try:
+        processes.start("controller", "controller", "--port", str(port), "--replicas", "2",
+                        "-M", "2", "--steps", "5", "--job-id", "relay-death",
+                        *credentials["controller"])
+        relay = _relay(processes, tmp_path, address, "rack-b", *credentials["rack-b"])
+        relay_process = processes.started[-1]
+        agent = Security(cert=credentials["host"][1], key=credentials["host"][3],
+                         ca=credentials["host"][5])
+        asyncio.run(_agents_then_relay_death(address, relay, relay_process.pid, agent))
+        reader = (certs / "ops.pem", certs / "ops-key.pem", certs / "ca.pem")
+        lost = wait_for(lambda: (events := _events(address, "agent-lost", reader))
+                        and len(events) == 2 and events, 15,
+                        "both agents behind the dead relay declared lost")
+        assert all("session closed" in e["message"] for e in lost), lost
+    finally:
+        processes.stop()
+
+
+async def _agents_then_relay_death(controller: str, relay: str, relay_pid: int,
+                                   security: Security) -> None:
+    def register(agent_id: str) -> pb.AgentMessage:
+        return pb.AgentMessage(register=pb.RegisterAgent(agent_id=agent_id, host="h", slots=1))
+
+    first = await open_session([relay], [register("x")], timeout_s=30, security=security)
+    second = await open_session([relay], [register("y")], timeout_s=30, security=security)
+    assert sorted([*first.registered.replica_ids, *second.registered.replica_ids]) == [0, 1]
+    # (The controller answers by now: the relay registered them there.) An agent's
+    # certificate may not speak for other agents at the controller itself.
+    channel = aio_channel(controller, security)
+    call = rpc.RelayLinkStub(channel).Relay(iter([pb.RelayUp(relay_id="rogue")]))
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await call.read()
+    assert refused.value.code() is grpc.StatusCode.PERMISSION_DENIED
+    assert "needs relay" in (refused.value.details() or "")
+    await channel.close()
+    # A second session claiming a live agent's id is refused, and the live one keeps going.
+    with pytest.raises(LinkError, match="has a live session"):
+        await open_session([relay], [register("x")], timeout_s=10, security=security)
+    # The leader's beats reach agents through the relay: well within an agent's 2 s timeout.
+    beat = await asyncio.wait_for(first.call.read(), 2.0)
+    assert beat.WhichOneof("kind") == "heartbeat" and beat.term >= 1
+    os.kill(relay_pid, signal.SIGKILL)
+    for session in (first, second):
+        assert await _until_broken(session.call, 10.0) in ("ended", "failed")
+        await close_session(session)
+
+
+async def _until_broken(call: grpc.aio.StreamStreamCall, within_s: float) -> str:
+    """Read a session (beats) until it ends ("ended") or fails ("failed"); "open" if neither
+    happens within `within_s`."""
+    deadline = time.monotonic() + within_s
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            if await asyncio.wait_for(call.read(), left) is grpc.aio.EOF:
+                return "ended"
+    except grpc.aio.AioRpcError:
+        return "failed"
+    except TimeoutError:
+        pass
+    return "open"
