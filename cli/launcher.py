@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,12 +20,11 @@ import grpc
 
 from recover.cli.inspect import format_event, format_load
 from recover.cli.jobargs import UsageError, job_from_args
-from recover.cli.localtls import local_tls
-from recover.cli.preflight import check_out, check_store
+from recover.cli.localtls import LocalTLS, local_tls
+from recover.cli.preflight import check_checkpoint_folder, check_command, check_out, check_store
 from recover.cli.scrape import TARGETS_FILE, MetricsPorts, endpoint, write_targets
 from recover.client.connect import ControllerUnreachable, connect_leader
 from recover.client.launch import hand_over
-from recover.common import ckptfile
 from recover.common.netaddr import is_loopback
 from recover.common.security import Security
 from recover.controller.store_url import store_exposure
@@ -84,14 +82,17 @@ class LocalJob:
         return " | ".join(text[-lines:])
 
     def stop(self, grace_s: float = 5.0) -> None:
-        """End the controllers (standbys first, so none takes over); agents then leave.
+        """End the controllers (standbys first, so none takes over) and relays; agents then
+        leave.
         Signals are ignored meanwhile: a second Ctrl-C must not cut the cleanup short."""
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
         deadline = time.monotonic() + grace_s
-        for name in sorted(self.processes, key=lambda n: n == "controller"):
+        # Standbys, the leader, then the relays (the agents' sessions end with the job).
+        for name in sorted(self.processes, key=lambda n: (n.startswith("rack"),
+                                                          n == "controller")):
             process = self.processes[name]
-            if name.startswith("controller") and process.poll() is None:
+            if name.startswith(("controller", "rack")) and process.poll() is None:
                 process.send_signal(signal.SIGTERM)
         for process in self.processes.values():
             try:
@@ -164,30 +165,6 @@ class Progress:
             self._width = 0
 
 
-def check_command(command: list[str]) -> None:
-    """Catch the typos a local job would otherwise meet in every worker's log."""
-    program = command[0]
-    if program not in ("python", "python3") and shutil.which(program) is None:
-        raise UsageError(f"recover run: the worker command {program!r} is not a program on PATH")
-    if program in ("python", "python3") and len(command) > 1 and command[1].endswith(".py") \
-            and not Path(command[1]).is_file():
-        raise UsageError(f"recover run: no script {command[1]!r} (the worker command is run "
-                         "from the current directory)")
-
-
-def check_checkpoint_folder(folder: str) -> None:
-    """Make the folder and its key now (every host of a local job is this one), so that a
-    folder that cannot hold them is one line before anything starts, not a failed write."""
-    if folder:
-        try:
-            ckptfile.folder_key(Path(folder), create=True)
-        except ckptfile.CheckpointError as exc:
-            raise UsageError(f"recover run: --checkpoint-dir {folder!r}: {exc}") from None
-        except OSError as exc:
-            raise UsageError(f"recover run: --checkpoint-dir {folder!r}: "
-                             f"{exc.strerror or exc}") from None
-
-
 def run_local(args: argparse.Namespace) -> int:
     job_config = job_from_args(args)
     if args.resume is not None:
@@ -221,6 +198,9 @@ def run_local(args: argparse.Namespace) -> int:
         agents = 1
     if not 1 <= agents <= job_config.replicas:
         raise UsageError(f"--agents must be between 1 and --replicas ({job_config.replicas})")
+    if not 0 <= args.relays <= agents:
+        raise UsageError(f"recover run: --relays must be between 0 and the agents ({agents}), "
+                         f"got {args.relays}")
     processes = args.controllers + agents
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65536 - processes:
         raise UsageError(f"recover run: --metrics-port {args.metrics_port}: give 0 (free ports) "
@@ -235,7 +215,7 @@ def run_local(args: argparse.Namespace) -> int:
     for port_file in port_files:
         port_file.unlink(missing_ok=True)
     job_file = out / "job.binpb"  # the job for the controllers, removed with the port files
-    tls = local_tls(out / "tls", agents) if args.tls else None
+    tls = local_tls(out / "tls", agents, args.relays) if args.tls else None
     job = LocalJob(out)
     metrics = (MetricsPorts(out, args.metrics_port, args.controllers)
                if args.metrics_port is not None else None)
@@ -257,11 +237,13 @@ def run_local(args: argparse.Namespace) -> int:
         addresses = [f"127.0.0.1:{_wait_for_port(job, controller_name(i), f)}"
                      for i, f in enumerate(port_files)]
         address = ",".join(addresses)
+        relays = _start_relays(job, args.relays, address, tls)
         slots_wanted = job_config.replicas + job_config.spares
         ranks = max(job_config.ranks_per_replica, 1)  # a replica's ranks share an agent
         for index, replicas in enumerate(split_slots(slots_wanted, agents)):
             job.start(f"agent-{index}", [
-                python, "-m", "recover.cli.main", "agent", "--controller", address,
+                python, "-m", "recover.cli.main", "agent",
+                "--controller", relays[index % len(relays)] if relays else address,
                 "--slots", str(replicas * ranks), "--agent-id", f"host{index}", "--log-dir", str(job.logs),
                 "--max-restarts", str(args.max_restarts),
                 "--restart-window", str(args.restart_window),
@@ -303,11 +285,24 @@ def run_local(args: argparse.Namespace) -> int:
         return 143 if isinstance(interrupt, Terminated) else 130
     finally:
         job.stop()
-        for path in [*port_files, job_file]:
+        for path in [*port_files, *out.glob("rack*.port"), job_file]:
             path.unlink(missing_ok=True)
         if metrics:  # the job is over: nothing left to scrape
             for path in [*out.glob("*.metrics-port"), out / TARGETS_FILE]:
                 path.unlink(missing_ok=True)
+
+
+def _start_relays(job: LocalJob, count: int, controllers: str, tls: LocalTLS | None
+                  ) -> list[str]:
+    """`count` relays in front of the controllers (rack0, rack1, ...): their addresses."""
+    port_files = [job.out / f"rack{i}.port" for i in range(count)]
+    for index, port_file in enumerate(port_files):
+        port_file.unlink(missing_ok=True)
+        job.start(f"rack{index}", [
+            sys.executable, "-m", "recover.cli.main", "relay", "--controller", controllers,
+            "--listen", "127.0.0.1:0", "--port-file", str(port_file),
+            "--relay-id", f"rack{index}", *(tls.flags(f"rack{index}") if tls else [])])
+    return [f"127.0.0.1:{_wait_for_port(job, f'rack{i}', f)}" for i, f in enumerate(port_files)]
 
 
 def _metrics_endpoints(job: LocalJob, metrics: MetricsPorts, agents: int, tls: bool,

@@ -25,12 +25,14 @@ class LocalTLS:
         return ["--tls-cert", s.cert, "--tls-key", s.key, "--tls-ca", s.ca]
 
 
-def local_tls(folder: Path, agents: int) -> LocalTLS:
-    """A fresh CA in `folder`; certificates for the controllers, agents host0..N-1 and the
-    launcher (an operator); the CA's key is deleted once they are signed."""
+def local_tls(folder: Path, agents: int, relays: int = 0) -> LocalTLS:
+    """A fresh CA in `folder`; certificates for the controllers, the relays rack0..R-1, agents
+    host0..N-1 and the launcher (an operator); the CA's key is deleted once they are signed."""
     shutil.rmtree(folder, ignore_errors=True)
     init_ca(folder, "recover run (local)", 2)
     issue(folder, "controller", [Role.CONTROLLER], ["127.0.0.1", "localhost"], 2)
+    for index in range(relays):
+        issue(folder, f"rack{index}", [Role.RELAY], ["127.0.0.1", "localhost"], 2)
     for index in range(agents):
         issue(folder, f"host{index}", [Role.AGENT], [], 2)
     issue(folder, "launcher", [Role.READER, Role.OPERATOR], [], 2)  # it runs the job

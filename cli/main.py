@@ -119,6 +119,10 @@ def build_parser() -> Parser:
     run.add_argument("--controllers", type=int, default=1,
                      help="controller processes (one leads, the others stand by; needs an etcd "
                           "--store when more than 1)")
+    run.add_argument("--relays", type=int, default=0,
+                     help="rack relays (`recover relay`) between the agents and the controllers, "
+                          "the agents spread over them (default 0: agents reach the controllers "
+                          "directly)")
 
     ctl = sub.add_parser("controller", help="run the controller of a job")
     add_job_arguments(ctl)
@@ -348,7 +352,7 @@ def _end_with_launcher() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] in (["controller"], ["agent"]):
+    if argv[:1] in (["controller"], ["agent"], ["relay"]):
         _end_with_launcher()
     parser = build_parser()
     try:

@@ -1,13 +1,17 @@
 """Checks made before anything starts: a bad address, an unreachable store, an output folder
-that is no folder. Each fails in one line naming the value, within a bounded time."""
+that is no folder, a worker command that is no program, a checkpoint folder that cannot hold
+its key. Each fails in one line naming the value, within a bounded time."""
 
 from __future__ import annotations
 
 import asyncio
 import ipaddress
+import shutil
 import socket
+from pathlib import Path
 
 from recover.cli.jobargs import UsageError
+from recover.common import ckptfile
 
 STORE_TIMEOUT_S = 10.0
 """How long a store gets to answer before the command gives up on it."""
@@ -65,3 +69,27 @@ def check_store(url: str, prog: str, timeout_s: float = STORE_TIMEOUT_S) -> None
 def check_out(out: str) -> None:
     if not out.strip():
         raise UsageError("--out is empty: name a folder for summary.json and the logs")
+
+
+def check_command(command: list[str]) -> None:
+    """Catch the typos a local job would otherwise meet in every worker's log."""
+    program = command[0]
+    if program not in ("python", "python3") and shutil.which(program) is None:
+        raise UsageError(f"recover run: the worker command {program!r} is not a program on PATH")
+    if program in ("python", "python3") and len(command) > 1 and command[1].endswith(".py") \
+            and not Path(command[1]).is_file():
+        raise UsageError(f"recover run: no script {command[1]!r} (the worker command is run "
+                         "from the current directory)")
+
+
+def check_checkpoint_folder(folder: str) -> None:
+    """Make the folder and its key now (every host of a local job is this one), so that a
+    folder that cannot hold them is one line before anything starts, not a failed write."""
+    if folder:
+        try:
+            ckptfile.folder_key(Path(folder), create=True)
+        except ckptfile.CheckpointError as exc:
+            raise UsageError(f"recover run: --checkpoint-dir {folder!r}: {exc}") from None
+        except OSError as exc:
+            raise UsageError(f"recover run: --checkpoint-dir {folder!r}: "
+                             f"{exc.strerror or exc}") from None

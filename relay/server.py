@@ -33,20 +33,13 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from recover.agent.fencing import leader_hint
-from recover.agent.link import KEEPALIVE_OPTIONS
 from recover.common.netaddr import write_port_file
-from recover.common.security import (
-    PLAINTEXT,
-    Authenticator,
-    Security,
-    aio_channel,
-    server_credentials,
-)
+from recover.common.security import PLAINTEXT, Authenticator, Security, server_credentials
 from recover.controller import authz
 from recover.controller.gate import Gate, Malformed, add_service
 from recover.controller.service import KEEPALIVE_SERVER_OPTIONS
 from recover.proto import pb, rpc
+from recover.relay.upstream import LeaderStream, find_leader
 
 log = logging.getLogger("recover.relay")
 
@@ -91,40 +84,6 @@ Downstream = asyncio.Queue[pb.ControllerMessage | _Refused | None]
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
-class _Leader:
-    """The relay's stream to the leader: what goes up in batches, the term it leads in."""
-
-    def __init__(self, term: int) -> None:
-        self.term = term
-        self.up: asyncio.Queue[pb.RelayUp | None] = asyncio.Queue()
-        self.heard_at = time.monotonic()
-        self.sent_at = time.monotonic()
-        self._pending: list[pb.RelayedMessage] = []
-        self._scheduled = False
-
-    def forward(self, message: pb.RelayedMessage) -> None:
-        self._pending.append(message)
-        if not self._scheduled:
-            self._scheduled = True
-            asyncio.get_running_loop().call_soon(self.flush)
-
-    def flush(self, keepalive_s: float | None = None) -> None:
-        """Send what is pending; with `keepalive_s`, an empty message if nothing went up for
-        that long (the leader counts the relay's agents alive while it hears the relay)."""
-        self._scheduled = False
-        now = time.monotonic()
-        if not self._pending and (keepalive_s is None or now - self.sent_at < keepalive_s):
-            return
-        self.up.put_nowait(pb.RelayUp(messages=self._pending))
-        self._pending = []
-        self.sent_at = now
-
-
-async def _requests(queue: asyncio.Queue[pb.RelayUp | None]) -> AsyncIterator[pb.RelayUp]:
-    while (up := await queue.get()) is not None:
-        yield up
-
-
 class Relay(rpc.AgentSessionServicer):
     """Serves agents' sessions and keeps one stream to the leader for them all."""
 
@@ -133,7 +92,7 @@ class Relay(rpc.AgentSessionServicer):
         security = config.security
         self.gate = Gate(Authenticator(security) if security.enabled else None)
         self.gate.reject = lambda verdict: log.warning("refused: %s", verdict.reason)
-        self.leader: _Leader | None = None
+        self.leader: LeaderStream | None = None
         self.agents: dict[str, Downstream] = {}
         self._sent_at: dict[str, float] = {}
         self._heard_at: dict[str, float] = {}
@@ -142,6 +101,8 @@ class Relay(rpc.AgentSessionServicer):
         self._ended: dict[Downstream, str] = {}
         """Sessions (by their queue) the relay ended for their agent's silence, and why."""
         self.agent_timeout_s = config.agent_timeout_s
+        self._said: set[str] = set()
+        """What looking for the leader has logged since it was last found."""
 
     # ------------------------------------------------------------ agents' side
 
@@ -226,7 +187,7 @@ class Relay(rpc.AgentSessionServicer):
                 # answered (seconds, in a burst of thousands) an agent has nothing to say.
                 self._heard_at.setdefault(agent_id, now)
 
-    def _beat_agents(self, leader: _Leader) -> None:
+    def _beat_agents(self, leader: LeaderStream) -> None:
         """Beat the agents that heard nothing lately, while the leader is heard."""
         now = time.monotonic()
         if now - leader.heard_at > self.config.leader_timeout_s:
@@ -259,44 +220,7 @@ class Relay(rpc.AgentSessionServicer):
 
     # ------------------------------------------------------------ the leader's side
 
-    async def _find_leader(self) -> tuple[grpc.aio.Channel, grpc.aio.StreamStreamCall,
-                                          _Leader] | None:
-        """One round over the controller addresses, following a standby's hint to the
-        leader: the stream to the leader, welcomed, or None."""
-        cfg = self.config
-        order = list(cfg.controllers)
-        tried: set[str] = set()
-        while order:
-            target = order.pop(0)
-            if target in tried:
-                continue
-            tried.add(target)
-            channel = aio_channel(target, cfg.security, options=KEEPALIVE_OPTIONS)
-            leader = _Leader(0)
-            leader.up.put_nowait(pb.RelayUp(relay_id=cfg.relay_id))
-            call = rpc.RelayLinkStub(channel).Relay(_requests(leader.up))
-            try:
-                welcome = await asyncio.wait_for(call.read(), cfg.connect_attempt_s)
-            except grpc.aio.AioRpcError as exc:
-                log.info("controller at %s: %s", target, exc.details() or exc.code().name)
-                hint = leader_hint(exc.details() or "")
-                if hint is not None:
-                    order.insert(0, hint)
-                welcome = None
-            except TimeoutError:
-                welcome = None
-            if welcome is None or welcome is grpc.aio.EOF:
-                leader.up.put_nowait(None)
-                await channel.close()
-                continue
-            leader.term = welcome.term
-            if welcome.agent_timeout_s > 0:
-                self.agent_timeout_s = welcome.agent_timeout_s
-            log.info("relaying to the leader at %s (term %d)", target, leader.term)
-            return channel, call, leader
-        return None
-
-    async def _serve_leader(self, call: grpc.aio.StreamStreamCall, leader: _Leader) -> str:
+    async def _serve_leader(self, call: grpc.aio.StreamStreamCall, leader: LeaderStream) -> str:
         """Pass the leader's deliveries on until its stream ends or it falls silent (why)."""
         timeout = self.config.leader_timeout_s
         try:
@@ -323,11 +247,16 @@ class Relay(rpc.AgentSessionServicer):
     async def run_upstream(self) -> None:
         """Find the leader, relay for it until it is lost, and again, forever."""
         while True:
-            found = await self._find_leader()
-            if found is None:
+            cfg = self.config
+            leader = await find_leader(cfg.controllers, cfg.security, cfg.relay_id,
+                                       cfg.connect_attempt_s, self._said)
+            if leader is None:
                 await asyncio.sleep(0.2)
                 continue
-            channel, call, leader = found
+            if leader.agent_timeout_s > 0:
+                self.agent_timeout_s = leader.agent_timeout_s
+            channel, call = leader.channel, leader.call
+            assert channel is not None and call is not None
             self.leader = leader
             beats = asyncio.create_task(self._beat_loop(leader))
             try:
@@ -341,7 +270,7 @@ class Relay(rpc.AgentSessionServicer):
             log.warning("lost the leader (%s); looking for it", why)
             self.end_sessions(why)
 
-    async def _beat_loop(self, leader: _Leader) -> None:
+    async def _beat_loop(self, leader: LeaderStream) -> None:
         """Beats to agents, the keepalive to the leader, and the failure detector."""
         period = min(self.config.beat_every_s, self.config.keepalive_s) / 4
         skipped = False

@@ -143,3 +143,19 @@ def test_leader_and_a_worker_killed_during_startup_the_job_still_completes(
     assert verdict.identical, verdict.message
     assert [(f["replica"], f["phase"]) for f in summary["failures"]] == [(1, "startup")]
     assert len(summary["live_replicas"]) == 4  # the restarted worker is a member
+
+
+def test_agents_behind_a_relay_follow_a_killed_leader_and_the_result_is_exact(
+        tmp_path: Path, reference: dict[str, Any]) -> None:
+    """Why one more job: behind a rack relay (`--relays 1`) the agents see no leader of their
+    own; the relay must lose the killed one, find the standby that takes over, and carry the
+    agents' rejoin (workers kept) to it, bitwise as without the relay."""
+    summary, takeover_s, logs = run_with_leader_hit(tmp_path, signal.SIGKILL,
+                                                    extra=("--relays", "1"))
+    assert takeover_s < 3.5, takeover_s
+    assert_exact(summary, reference)
+    relay_log = (logs / "rack0.log").read_text()
+    assert relay_log.count("relaying to the leader") == 2, relay_log  # the old one, the new one
+    for agent in ("agent-0", "agent-1"):
+        agent_log = (logs / f"{agent}.log").read_text()
+        assert agent_log.count("spawned worker") == 2  # its workers kept: none restarted

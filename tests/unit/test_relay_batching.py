@@ -13,7 +13,8 @@ import pytest
 
 from recover.controller.relayed import RelayOutbox
 from recover.proto import pb
-from recover.relay.server import Relay, RelayConfig, _Leader
+from recover.relay.server import Relay, RelayConfig
+from recover.relay.upstream import LeaderStream
 
 
 def _flushed(outbox: RelayOutbox) -> pb.RelayDown:
@@ -64,7 +65,7 @@ def test_equal_but_distinct_messages_are_not_merged() -> None:
 
 def test_messages_go_up_at_once_and_a_keepalive_when_there_is_nothing() -> None:
     async def scenario() -> list[pb.RelayUp]:
-        leader = _Leader(term=1)
+        leader = LeaderStream(term=1)
         leader.forward(pb.RelayedMessage(agent_id="a", message=pb.AgentMessage(
             report=pb.WorkerReport(replica=0, progress=pb.Progress(step=1)))))
         leader.forward(pb.RelayedMessage(agent_id="b", closed=True, reason="no heartbeat"))
