@@ -14,98 +14,44 @@ import socket
 import sys
 import tempfile
 import time
-import uuid
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
 
 import grpc
-from prometheus_client import CollectorRegistry, start_http_server
 
 from recover.agent import fencing
 from recover.agent.attached import AttachedProcess, write_attach_file
 from recover.agent.beats import beat_when_silent
+from recover.agent.config import AgentConfig, AgentError
 from recover.agent.link import LinkError, Session, close_session, open_session
 from recover.agent.local import WorkerChannelService
-from recover.agent.metrics import AgentCollector
-from recover.agent.restarts import RESTART_WINDOW_S, decide_restart, recent_restarts
+from recover.agent.metrics import serve_metrics
+from recover.agent.replays import ReportReplays
+from recover.agent.restarts import decide_restart, recent_restarts
 from recover.agent.warmstart import WarmStarter, decide_warm_start
 from recover.agent.watchdog import watch_for_hangs
 from recover.agent.workers import (
     WorkerProcess,
     base_environment,
     every_process,
-    exit_report,
+    lose_replica,
     resolve_command,
     spawn_replica,
     stop_workers,
 )
-from recover.common.netaddr import local_address_towards, write_port_file
-from recover.common.security import Security
+from recover.common.netaddr import local_address_towards
 from recover.proto import pb, rpc
 
 log = logging.getLogger("recover.agent")
 RETRY_REQUEST_S = 1.0
 """Pause before asking again for a replica the controller could not grant yet (a takeover)."""
-
-
-class AgentError(Exception):
-    """The agent cannot go on; the message says why, for a one-line error."""
-
-
-@dataclass(frozen=True)
-class AgentConfig:
-    controller: str
-    """host:port of the controller, or a comma-separated list of every controller of the job
-    (the agent finds the leader among them, and the new one after a failover)."""
-    slots: int
-    """Worker slots on this host (one worker, one replica each)."""
-    command: list[str] | None = None
-    """The worker command, e.g. ['python', 'train.py', '--lr', '1e-3']; None: the job's own
-    (its workload command, set on the controller)."""
-    agent_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
-    """Unique name of this agent in the job."""
-    heartbeat_s: float = 0.5
-    """Longest the leader goes without a message from this agent (a heartbeat when nothing
-    else was sent); the controller declares an agent lost after a few periods of silence."""
-    connect_timeout_s: float = 10.0
-    """How long to wait for the controller to answer at start."""
-    leader_timeout_s: float = 2.0
-    """A leader silent this long (it heartbeats every ~0.5 s) is presumed stopped or cut off."""
-    reconnect_timeout_s: float = 20.0
-    """After losing the leader, how long to look for a new one before stopping the workers."""
-    log_dir: str | None = None
-    """Write each worker's output to LOG_DIR/replica-N.log instead of inheriting stdout."""
-    shutdown_grace_s: float = 5.0
-    """How long workers get to exit on their own when the job ends."""
-    metrics_port: int | None = None
-    """Serve Prometheus metrics on 127.0.0.1:PORT/metrics (0: any free port; None: off)."""
-    metrics_host: str = "127.0.0.1"
-    """Address the metrics endpoint listens on."""
-    metrics_port_file: str | None = None
-    """Write the metrics endpoint's port here once it listens."""
-    max_restarts: int = 3
-    """Times a slot's worker is replaced after it dies (with backoff) within
-    `restart_window_s`; 0: never."""
-    restart_window_s: float = RESTART_WINDOW_S
-    """Restarts older than this no longer count against a slot."""
-    security: Security = Security()
-    """Credentials towards the controller (TLS, a client certificate, a token)."""
-    attach_pid: int | None = None
-    """Instead of spawning a worker, adopt this process (the single-process mode: the user's
-    `python train.py` runs the job's one replica itself; trainer/standalone.py)."""
-    attach_file: str | None = None
-    """With `attach_pid`: where the attached process reads its identity (agent/attached.py)."""
-    warm_start: bool = True
-    """Fork workers from a warm interpreter that has imported torch once (see
-    recover.agent.zygote) when the command is `python SCRIPT` or `python -m MODULE`;
-    False: every worker is a fresh process (`--cold-start`)."""
-
-
-    @property
-    def controllers(self) -> list[str]:
-        return [a.strip() for a in self.controller.split(",") if a.strip()]
+GENERATIONAL = ("generation", "commit", "share", "release")
+"""Commands of one generation (fenced against an older one)."""
+ADDRESSED: dict[str, Callable[[pb.ControllerMessage], int]] = {
+    "donate": lambda m: m.donate.donor, "join": lambda m: m.join.joiner,
+    "share": lambda m: m.share.replica, "release": lambda m: m.release.replica}
+"""Commands for one replica's worker, and which replica."""
 
 
 class Agent:
@@ -124,9 +70,7 @@ class Agent:
         """Highest leadership term seen: commands from a lower one are refused."""
         self.fenced_commands = 0
         self.reconnects = 0
-        self._applied: dict[int, pb.WorkerReport] = {}
-        self._applied_step: dict[int, int] = {}
-        self._ready: dict[int, pb.WorkerReport] = {}
+        self._replays = ReportReplays()
         self.metrics_port: int | None = None
         self.restarts: dict[int, list[float]] = {}
         """Per slot: when (monotonic) its workers were restarted, within the window."""
@@ -140,28 +84,9 @@ class Agent:
         """Replicas whose worker is being started (the warm interpreter may still import)."""
 
     def relay(self, report: pb.WorkerReport) -> None:
-        kind = report.WhichOneof("kind")
-        if kind == "applied":
-            self._applied[report.replica] = report
-            self._applied_step[report.replica] = report.applied.step
-        elif kind == "reduced" and report.reduced.applied:  # folded in: the same for fencing
-            last = report.reduced.applied[-1]
-            self._applied[report.replica] = pb.WorkerReport(replica=report.replica, applied=last)
-            self._applied_step[report.replica] = last.step
-        elif kind == "ready":
-            self._ready[report.replica] = report
+        self._replays.note(report)
         self.reports_relayed += 1
         self._send_up(pb.AgentMessage(report=report))
-
-    def _serve_metrics(self) -> None:
-        registry = CollectorRegistry()
-        registry.register(AgentCollector(self))
-        server, _ = start_http_server(self.config.metrics_port or 0, self.config.metrics_host,
-                                      registry=registry)
-        self.metrics_port = server.server_port
-        log.info("metrics on http://%s:%d/metrics", self.config.metrics_host, self.metrics_port)
-        if self.config.metrics_port_file:
-            write_port_file(self.config.metrics_port_file, self.metrics_port)
 
     def _registration(self, resume: bool) -> pb.AgentMessage:
         """The first message of a session: register, or rejoin a new leader with live workers."""
@@ -190,15 +115,15 @@ class Agent:
             # while no leader listened are gone): the new one needs the last
             # digests, or readiness when the job had not started. No await since
             # the swap above, so nothing relayed meanwhile is missing.
-            replays = self._applied if self.generation else self._ready
-            for replica in sorted(replays):
-                self._send_up(pb.AgentMessage(report=replays[replica]))
+            for report in self._replays.for_new_leader(started=bool(self.generation)):
+                self._send_up(pb.AgentMessage(report=report))
         return session
 
     async def run(self) -> int:
         cfg = self.config
         if cfg.metrics_port is not None:
-            self._serve_metrics()
+            self.metrics_port = serve_metrics(self, cfg.metrics_host, cfg.metrics_port,
+                                              cfg.metrics_port_file)
         await self._start_warm()  # its imports (seconds) run while we connect
         try:
             session = await self._connect(resume=False)
@@ -381,24 +306,7 @@ class Agent:
             process.log_file = None
         if self._shutdown is not None or worker.lost:
             return
-        worker.lost = True
-        siblings = [p for p in worker.ranks if p is not process and p.process.returncode is None]
-        for sibling in siblings:
-            sibling.killed_by_agent = f"rank {process.rank} of its replica exited"
-            sibling.kill()
-        if siblings:
-            log.warning("rank %d exited: killed the replica's other ranks (pids %s)",
-                        process.rank, ", ".join(str(p.pid) for p in siblings),
-                        extra={"replica": worker.replica})
-        report = exit_report(process, returncode)
-        # The rank that noted an injected fault or a user error is the replica's cause, even
-        # if a sibling blocked on it went first (the watchdog may judge either of them).
-        cause = next((p for p in worker.ranks if p.fault is not None or p.error is not None), None)
-        if cause is not None and cause is not process:
-            if cause.fault is not None:
-                report.fault.CopyFrom(cause.fault)
-            if cause.error is not None:
-                report.error.CopyFrom(cause.error)
+        report = lose_replica(worker, process, returncode)
         self._send_up(pb.AgentMessage(worker_exited=report))
         log.warning("worker exited (code %d, signal %d)", report.exit_code, report.signal,
                     extra={"replica": worker.replica})
@@ -425,10 +333,7 @@ class Agent:
     def _handle(self, message: pb.ControllerMessage) -> bool:
         """Forward one controller message to the workers; True when the job is over."""
         kind = message.WhichOneof("kind") or ""
-        generation = (message.generation.generation if kind == "generation"
-                      else message.commit.generation if kind == "commit"
-                      else message.share.generation if kind == "share"
-                      else message.release.generation if kind == "release" else 0)
+        generation = getattr(message, kind).generation if kind in GENERATIONAL else 0
         verdict = fencing.judge(kind, message.term, generation, self.term, self.generation)
         if not verdict.accept:
             self.fenced_commands += 1
@@ -443,21 +348,17 @@ class Agent:
         elif kind == "commit":
             commit = message.commit
             for replica in self._members:
-                if fencing.wants_commit(commit.step, self._applied_step.get(replica, -1)).accept:
+                if fencing.wants_commit(commit.step,
+                                        self._replays.applied_step.get(replica, -1)).accept:
                     self._forward(pb.WorkerCommand(commit=commit), [replica])
         elif kind == "shutdown":
             self._shutdown = message.shutdown
             for process in every_process(self.workers):
                 process.commands.put_nowait(pb.WorkerCommand(shutdown=message.shutdown))
             return True
-        elif kind == "donate":
-            self._forward(pb.WorkerCommand(donate=message.donate), [message.donate.donor])
-        elif kind == "join":
-            self._forward(pb.WorkerCommand(join=message.join), [message.join.joiner])
-        elif kind == "share":
-            self._forward(pb.WorkerCommand(share=message.share), [message.share.replica])
-        elif kind == "release":
-            self._forward(pb.WorkerCommand(release=message.release), [message.release.replica])
+        elif kind in ADDRESSED:
+            self._forward(pb.WorkerCommand(**{kind: getattr(message, kind)}),
+                          [ADDRESSED[kind](message)])
         elif kind == "replica_assigned":
             assigned = message.replica_assigned
             if assigned.refused and assigned.retryable:

@@ -19,7 +19,8 @@ from typing import Any
 import grpc
 
 from recover.agent.fencing import leader_hint
-from recover.common.security import PLAINTEXT, Security, aio_channel, explain_transport
+from recover.common.explain import explain_transport
+from recover.common.security import PLAINTEXT, Security, aio_channel
 from recover.proto import pb, rpc
 
 log = logging.getLogger("recover.agent")

@@ -15,16 +15,20 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from typing import Protocol
 
+from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from recover.agent.workers import WorkerProcess, every_process
 from recover.common import progress
+from recover.common.netaddr import write_port_file
 
+log = logging.getLogger("recover.agent")
 
 class AgentReadings(Protocol):
     """What the collector reads of an agent (the daemon's `Agent`), at scrape time."""
@@ -80,3 +84,14 @@ class AgentCollector(Collector):
             if worker.process.returncode is None and snapshot is not None and snapshot.beat_at > 0:
                 ages.add_metric([str(worker.replica), str(worker.rank)], now - snapshot.beat_at)
         yield ages
+
+
+def serve_metrics(readings: AgentReadings, host: str, port: int, port_file: str | None) -> int:
+    """Serve `readings` on http://HOST:PORT/metrics (0: any free port); the port it got."""
+    registry = CollectorRegistry()
+    registry.register(AgentCollector(readings))
+    server, _ = start_http_server(port, host, registry=registry)
+    log.info("metrics on http://%s:%d/metrics", host, server.server_port)
+    if port_file:
+        write_port_file(port_file, server.server_port)
+    return int(server.server_port)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import sys
@@ -16,6 +17,8 @@ from recover.agent.attached import AttachedProcess
 from recover.agent.warmstart import ForkedProcess, WarmStarter
 from recover.common import progress
 from recover.proto import pb
+
+log = logging.getLogger("recover.agent")
 
 
 @dataclass
@@ -253,3 +256,29 @@ async def spawn_replica(command: list[str], *, replica: int, slot: int, ranks: i
         raise
     assert leader is not None
     return leader
+
+
+def lose_replica(worker: WorkerProcess, exited: WorkerProcess, returncode: int
+                 ) -> pb.WorkerExited:
+    """`exited`, one process of `worker`'s replica, ended: the replica is lost. Its other
+    ranks are killed at once (a survivor of a broken replica would otherwise wait in a
+    collective for its timeout); the report is the replica's, naming as its cause the rank
+    that noted an injected fault or a user error, even if a sibling blocked on it went first
+    (the watchdog may judge either of them)."""
+    worker.lost = True
+    siblings = [p for p in worker.ranks if p is not exited and p.process.returncode is None]
+    for sibling in siblings:
+        sibling.killed_by_agent = f"rank {exited.rank} of its replica exited"
+        sibling.kill()
+    if siblings:
+        log.warning("rank %d exited: killed the replica's other ranks (pids %s)",
+                    exited.rank, ", ".join(str(p.pid) for p in siblings),
+                    extra={"replica": worker.replica})
+    report = exit_report(exited, returncode)
+    cause = next((p for p in worker.ranks if p.fault is not None or p.error is not None), None)
+    if cause is not None and cause is not exited:
+        if cause.fault is not None:
+            report.fault.CopyFrom(cause.fault)
+        if cause.error is not None:
+            report.error.CopyFrom(cause.error)
+    return report

@@ -10,7 +10,8 @@ import time
 
 import grpc
 
-from recover.common.security import Security, explain_transport, from_values
+from recover.common.explain import explain_transport
+from recover.common.security import Security, from_values
 from recover.common.security import channel as secure_channel
 from recover.proto import pb, rpc
 

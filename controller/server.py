@@ -17,8 +17,9 @@ import grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
 from recover.common import ckptfile
+from recover.common.explain import exposure
 from recover.common.netaddr import is_loopback, write_port_file
-from recover.common.security import Authenticator, Security, exposure, server_credentials
+from recover.common.security import Authenticator, Security, server_credentials
 from recover.controller.control import ControlService, run_report
 from recover.controller.coordinator import Coordinator, JobState
 from recover.controller.gate import Gate, add_service

@@ -124,25 +124,8 @@ class StepExecutor(JoinSteps):
         for donation in self.donations:
             if donation.joiner in view.members:  # it enters at this view's step
                 donation.finish_before(view.plan.step)
-        if self.generation == 0 and view.plan.step > self.state.step:
-            if not self.catching_up and self.join_failure_reported and self.lockstep is None:
-                # Admitted before the controller read this joiner's failure report: the
-                # report takes it out of this generation (losses.py, `_demote`).
-                log.info("generation %d admits this replica at step %d, but it holds the "
-                         "state before step %d: waiting for another join", view.generation,
-                         view.plan.step, self.state.step, extra=self._ctx())
-                return
-            if not self.catching_up:
-                raise RuntimeError(f"generation {view.generation} admits this replica at step "
-                                   f"{view.plan.step}, but it holds the state before step "
-                                   f"{self.state.step} and no donor streams to it")
-            self._admission = view  # a joiner still catching up: enter once it has
+        if self.generation == 0 and not self._ready_to_enter(view):
             return
-        if self.generation == 0 and self.resume is not None and not self.state_loaded:
-            self.load_checkpoint(self.resume)  # a replica that starts with a resumed job
-        if self.generation == 0 and self.built_tensors is not None and self.built_tensors.used \
-                and not self.state_loaded:
-            raise RuntimeError("admitted as built, but a failed join overwrote the built state")
         recovering = self.generation > 0
         self.generation, self.members = view.generation, list(view.members)
         plan = view.plan
@@ -213,28 +196,18 @@ class StepExecutor(JoinSteps):
         s = self.state
         if update.generation != self.generation or update.step != s.step or s.reduced is not None:
             return  # fenced: a new generation's plan replaced the share it changes
-        missing = [mb for mb in s.done if mb not in update.microbatch_ids]
-        if missing:
-            raise RuntimeError(f"a share update of step {s.step} drops microbatches {missing} "
-                               "this worker already accumulated")
-        grown = any(mb not in s.assigned for mb in update.microbatch_ids)
-        s.assigned = s.done + [mb for mb in update.microbatch_ids if mb not in s.done]
-        s.open, s.idle_reported = update.open, False
-        if grown:
+        if s.adopt_share(list(update.microbatch_ids), update.open):
             self._load_ahead()
             self.hooks.on_share_grown(s.step)
 
     def _release(self, release: pb.Release) -> None:
-        """Give back the asked-for microbatches this worker has not started. Commands are
-        handled between microbatches, so every one not done is not started: what it answers
-        is exactly what it will never compute, before anyone else is handed it."""
+        """Give back the asked-for microbatches this worker has not started, and say which,
+        before anyone else is handed them."""
         s = self.state
         released: list[int] = []
         if (release.generation == self.generation and release.step == s.step and s.open
                 and s.reduced is None):
-            unstarted = set(s.assigned[len(s.done):])
-            released = [mb for mb in release.microbatch_ids if mb in unstarted]
-            s.assigned = [mb for mb in s.assigned if mb not in released]
+            released = s.release_unstarted(list(release.microbatch_ids))
         self.channel.send(pb.WorkerReport(released=pb.Released(
             generation=release.generation, step=release.step, steal=release.steal,
             microbatch_ids=released)))

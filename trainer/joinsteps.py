@@ -170,3 +170,28 @@ class JoinSteps(ExecutorBase):
             step=self.state.step, snapshot_bytes=catchup.snapshot_bytes,
             snapshot_s=catchup.snapshot_s, donor=command.donor, attempt=command.attempt,
             param_sha256=digest)))
+
+    def _ready_to_enter(self, view: pb.GenerationView) -> bool:
+        """May this replica, in no generation yet, enter `view` now? A joiner still catching
+        up enters once it has (the view is kept); one whose join failed waits for another;
+        one that holds an older step with no donor streaming to it cannot (an error). A
+        replica that starts with a resumed job loads its checkpoint here."""
+        if view.plan.step > self.state.step:
+            if not self.catching_up and self.join_failure_reported and self.lockstep is None:
+                # Admitted before the controller read this joiner's failure report: the
+                # report takes it out of this generation (losses.py, `_demote`).
+                log.info("generation %d admits this replica at step %d, but it holds the "
+                         "state before step %d: waiting for another join", view.generation,
+                         view.plan.step, self.state.step, extra=self._ctx())
+                return False
+            if not self.catching_up:
+                raise RuntimeError(f"generation {view.generation} admits this replica at step "
+                                   f"{view.plan.step}, but it holds the state before step "
+                                   f"{self.state.step} and no donor streams to it")
+            self._admission = view  # a joiner still catching up: enter once it has
+            return False
+        if self.resume is not None and not self.state_loaded:
+            self.load_checkpoint(self.resume)  # a replica that starts with a resumed job
+        if self.built_tensors is not None and self.built_tensors.used and not self.state_loaded:
+            raise RuntimeError("admitted as built, but a failed join overwrote the built state")
+        return True

@@ -44,3 +44,25 @@ class StepState:
     idle_reported: bool = False
     """Work-stealing: every microbatch of the share is done and the controller knows it;
     waiting for more, or for the share to close."""
+
+    def adopt_share(self, microbatch_ids: list[int], still_open: bool) -> bool:
+        """Work-stealing: the share of this step is now `microbatch_ids` (more, stolen for
+        this member, or the same closed); True when it grew. A share that drops a
+        microbatch already accumulated is a protocol error."""
+        missing = [mb for mb in self.done if mb not in microbatch_ids]
+        if missing:
+            raise RuntimeError(f"a share update of step {self.step} drops microbatches "
+                               f"{missing} this worker already accumulated")
+        grown = any(mb not in self.assigned for mb in microbatch_ids)
+        self.assigned = self.done + [mb for mb in microbatch_ids if mb not in self.done]
+        self.open, self.idle_reported = still_open, False
+        return grown
+
+    def release_unstarted(self, asked: list[int]) -> list[int]:
+        """Work-stealing: give back those of `asked` not started (commands are handled
+        between microbatches, so every one not done is not started); what is given back
+        is exactly what this worker will never compute."""
+        unstarted = set(self.assigned[len(self.done):])
+        released = [mb for mb in asked if mb in unstarted]
+        self.assigned = [mb for mb in self.assigned if mb not in released]
+        return released

@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import signal
 
-from recover.agent.daemon import Agent, AgentConfig
+from recover.agent.config import AgentConfig
+from recover.agent.daemon import Agent
 from recover.agent.workers import WorkerProcess, every_process
 from recover.proto import pb
 

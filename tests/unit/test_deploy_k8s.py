@@ -133,7 +133,7 @@ def test_the_containers_command_lines_are_recovers_own() -> None:
     # No --agent-id: each start is named after its pod plus a random suffix, so a restarted
     # container or a replaced pod never claims an id the controller already knows.
     assert agent.agent_id is None
-    from recover.agent.daemon import AgentConfig
+    from recover.agent.config import AgentConfig
 
     first, second = (AgentConfig(controller="c:1", slots=1).agent_id for _ in range(2))
     hostname = socket.gethostname()  # in a pod: the pod's name

@@ -11,6 +11,7 @@ import pytest
 
 from recover.cli.certs import init_ca, issue
 from recover.cli.jobargs import UsageError
+from recover.common.explain import exposure
 from recover.common.security import (
     ALL_ROLES,
     ANONYMOUS,
@@ -19,7 +20,6 @@ from recover.common.security import (
     Security,
     SecurityError,
     certificate_identity,
-    exposure,
     from_values,
     match_token,
     read_tokens,
