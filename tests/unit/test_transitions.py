@@ -236,3 +236,21 @@ def test_a_takeover_rebuilds_the_view_from_the_store_without_touching_anything()
     assert carried_on.plan == {1: (2, 3, 0, 1)} and carried_on.takeover is None
     assert carried_on.replicas[2].state is ReplicaState.JOINING
     assert kinds(todo)[:2] == ["RecordFailure", "Emit:agent-lost"]
+
+
+def test_a_draft_copies_a_frozen_map_once_and_leaves_it_alone() -> None:
+    """Copy-on-write of the view's maps (a frozen view holds read-only proxies of dicts):
+    the copy is a dict of its own, equal, whatever kind of mapping it came from; the
+    proxy's own `copy()` is used (one C pass: the O(replicas) of every transition that
+    changes a replica, BENCHMARKS.md 5 "registration burst")."""
+    from collections import UserDict
+    from types import MappingProxyType
+
+    from recover.controller.view import _copy
+
+    underneath = {1: "a", 2: "b"}
+    for mapping in (MappingProxyType(underneath), underneath, UserDict(underneath)):
+        copied = _copy(mapping)
+        assert type(copied) is dict and copied == underneath and copied is not underneath
+        copied[3] = "c"
+        assert 3 not in underneath
