@@ -280,7 +280,10 @@ class Coordinator:
             self.heartbeats[agent_id] = self._clock()
 
     async def agent_lost(self, agent_id: str, why: str) -> None:
-        await self._run(losses.agent_lost, agent_id, why)
+        await self.agents_lost([(agent_id, why)])
+
+    async def agents_lost(self, agents: list[tuple[str, str]]) -> None:
+        await self._run(losses.agents_lost, agents)  # (agent id, why): one generation for all
 
     async def worker_ready(self, replica: int, ready: pb.Ready) -> None:
         await self._run(membership.worker_ready, replica, ready, self.start_grace_s)
@@ -300,10 +303,11 @@ class Coordinator:
         failed worker's replacement long enough; find donors for waiting joins."""
         await self._maybe_end_takeover()
         now = self._clock()
-        for agent in list(self.view.agents.values()):
-            silent = now - self.heartbeats.get(agent.agent_id, now)
-            if agent.alive and silent > self._agent_timeout_s:
-                await self.agent_lost(agent.agent_id, f"no heartbeat for {silent:.1f}s")
+        silent = ((a.agent_id, now - self.heartbeats.get(a.agent_id, now))
+                  for a in self.view.agents.values() if a.alive)
+        lost = [(a, f"no heartbeat for {s:.1f}s") for a, s in silent if s > self._agent_timeout_s]
+        if lost:
+            await self.agents_lost(lost)
         if self.view.state is JobState.WAITING:
             await self._run(membership.maybe_start, self.start_grace_s)
         if self.view.state is JobState.WAITING:

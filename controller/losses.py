@@ -94,23 +94,38 @@ def worker_exited(d: Draft, exited: pb.WorkerExited) -> None:
 
 
 def agent_lost(d: Draft, agent_id: str, why: str) -> None:
-    agent = d.v.agents.get(agent_id)
-    if agent is None or not agent.alive:
-        return
-    d.change_agent(agent_id, alive=False)
-    if d.v.state in TERMINAL:
-        return
-    d.emit("agent-lost", f"agent {agent_id}: {why}", level=logging.WARNING)
-    # Fencing: should the host wake up (it was only stopped, or cut off), it
-    # must stop its workers rather than act on a membership it is no longer in.
-    d.send(agent_id, pb.ControllerMessage(shutdown=pb.Shutdown(
-        reason=f"this agent was declared lost ({why})", success=False)))
-    lost = d.v.live(agent.replicas)
-    for replica in lost:
-        record_failure(d, replica, "agent-lost", None)
+    agents_lost(d, [(agent_id, why)])
+
+
+def agents_lost(d: Draft, agents: list[tuple[str, str]]) -> None:
+    """Agents lost together, each with why (a relay's agents when it dies, those found
+    silent by one check): one new generation without all their replicas, not one per
+    agent, each broadcast to every agent (at thousands of agents a generation per loss
+    kept the leader busy for seconds: BENCHMARKS.md 5)."""
+    lost: list[int] = []
+    named: list[str] = []
+    for agent_id, why in agents:
+        agent = d.v.agents.get(agent_id)
+        if agent is None or not agent.alive:
+            continue
+        d.change_agent(agent_id, alive=False)
+        if d.v.state in TERMINAL:
+            continue
+        d.emit("agent-lost", f"agent {agent_id}: {why}", level=logging.WARNING)
+        # Fencing: should the host wake up (it was only stopped, or cut off), it
+        # must stop its workers rather than act on a membership it is no longer in.
+        d.send(agent_id, pb.ControllerMessage(shutdown=pb.Shutdown(
+            reason=f"this agent was declared lost ({why})", success=False)))
+        replicas = d.v.live(agent.replicas)
+        for replica in replicas:
+            record_failure(d, replica, "agent-lost", None)
+        lost += replicas
+        named.append(f"agent {agent_id} lost ({why})")
     if d.v.state is JobState.WAITING and lost:
         d.set(startup_failed_at=d.now)
-    lose(d, lost, f"agent {agent_id} lost ({why})")
+    if named:
+        lose(d, lost, named[0] if len(named) == 1 else f"{len(named)} agents lost "
+                                                        f"({'; '.join(named[:3])}...)")
 
 
 def join_failed(d: Draft, replica: int, msg: pb.JoinFailed) -> None:

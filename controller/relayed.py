@@ -29,6 +29,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -181,22 +182,25 @@ class RelayHub(rpc.RelayLinkServicer):
             handler.cancel()
             self._relays.discard(relay)
             log.info("relay %s gone: its %d agents' sessions end", name, len(agents))
-            for agent_id, outbox in list(agents.items()):
-                await sessions.session_over(coordinator, agent_id, outbox)
+            await sessions.sessions_over(coordinator, [
+                (agent_id, outbox, f"session closed (relay {name} gone)")
+                for agent_id, outbox in agents.items()])
 
     async def _relayed(self, coordinator: Coordinator, relay: RelayOutbox,
                        agents: dict[str, _AgentViaRelay], up: pb.RelayUp) -> None:
         """One batch from a relay, in order, each message as its agent's session would have it."""
         sessions = self.sessions
+        ended: list[tuple[str, Any, str]] = []  # closed in a row: lost in one generation
         for relayed in up.messages:
             agent_id = relayed.agent_id
             outbox = agents.get(agent_id)
             if relayed.closed:
                 if outbox is not None:
                     del agents[agent_id]
-                    await sessions.session_over(coordinator, agent_id, outbox,
-                                                relayed.reason or "session closed")
+                    ended.append((agent_id, outbox, relayed.reason or "session closed"))
                 continue
+            await sessions.sessions_over(coordinator, ended)
+            ended = []
             kind = relayed.message.WhichOneof("kind")
             if outbox is not None:
                 if kind != "register":
@@ -215,3 +219,4 @@ class RelayHub(rpc.RelayLinkServicer):
                 relay.deliver(agent_id, None, refusal)
             else:
                 agents[agent_id] = outbox
+        await sessions.sessions_over(coordinator, ended)

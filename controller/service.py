@@ -228,12 +228,19 @@ class AgentSessions(rpc.AgentSessionServicer):
     async def session_over(self, coordinator: Coordinator, agent_id: str, outbox: Outbox,
                            why: str = "session closed") -> None:
         """An agent's session ended: the agent is lost (unless this term is over)."""
-        if coordinator is not self._coordinator:
+        await self.sessions_over(coordinator, [(agent_id, outbox, why)])
+
+    async def sessions_over(self, coordinator: Coordinator,
+                            ended: list[tuple[str, Outbox, str]]) -> None:
+        """Sessions that ended together (agent, its outbox, why): their agents are lost in one
+        transition, so in one new generation."""
+        if coordinator is not self._coordinator or not ended:
             return
-        self._unbind(agent_id, outbox)
+        for agent_id, outbox, _ in ended:
+            self._unbind(agent_id, outbox)
         async with self.lock:
             try:
-                await coordinator.agent_lost(agent_id, why)
+                await coordinator.agents_lost([(agent_id, why) for agent_id, _, why in ended])
             except LostLeadership:
                 self.deposed.set()
 

@@ -15,7 +15,8 @@ loop, so a relay that falls behind (a busy host) delays both alike, and a check 
 itself late by more than its period judges no one. The other way, the leader beats the
 relay while it sends it nothing, and the relay beats each agent that heard nothing for
 `beat_every_s` while the leader is heard. When the leader's stream ends or falls silent for
-`leader_timeout_s`, the relay ends every agent's session (they look for a leader again:
+`leader_timeout_s` (up to three times that when the relay's own loop stalled meanwhile, for
+the same reason as above), the relay ends every agent's session (they look for a leader again:
 this relay, once it has found the new one, or another address they know) and the leader
 loses them as it would lose their direct sessions.
 """
@@ -25,11 +26,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import signal
 import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -102,6 +105,8 @@ class Relay(rpc.AgentSessionServicer):
         """Sessions (by their queue) the relay ended for their agent's silence, and why."""
         self.agent_timeout_s = config.agent_timeout_s
         self._said: set[str] = set()
+        self._stalled_at = -math.inf
+        """When this relay's event loop was last seen late by more than a beat period."""
         """What looking for the leader has logged since it was last found."""
 
     # ------------------------------------------------------------ agents' side
@@ -224,7 +229,7 @@ class Relay(rpc.AgentSessionServicer):
         """Pass the leader's deliveries on until its stream ends or it falls silent (why)."""
         timeout = self.config.leader_timeout_s
         try:
-            while (down := await asyncio.wait_for(call.read(), timeout)) is not grpc.aio.EOF:
+            while (down := await self._read_leader(call, leader)) is not grpc.aio.EOF:
                 leader.heard_at = time.monotonic()
                 leader.term = max(leader.term, down.term)
                 for delivery in down.deliveries:
@@ -243,6 +248,24 @@ class Relay(rpc.AgentSessionServicer):
             return f"the leader's stream failed: {exc.details() or exc.code().name}"
         except TimeoutError:
             return f"the leader was silent for {timeout:.1f}s"
+
+    async def _read_leader(self, call: grpc.aio.StreamStreamCall, leader: LeaderStream) -> Any:
+        """The leader's next message; TimeoutError once it has been silent for the leader
+        timeout, unless this relay's own loop stalled since it last heard the leader (a busy
+        host): what the leader said meanwhile may not have been read yet, and blaming the
+        leader for our lateness would end every agent's session. At most three timeouts of
+        silence in all."""
+        timeout = self.config.leader_timeout_s
+        # One read, never cancelled while we wait on (a cancelled read would end the RPC).
+        read = asyncio.ensure_future(call.read())
+        while True:
+            done, _ = await asyncio.wait({read}, timeout=timeout)
+            if done:
+                return read.result()
+            silent = time.monotonic() - leader.heard_at
+            if self._stalled_at < leader.heard_at or silent > 3 * timeout:
+                read.cancel()
+                raise TimeoutError
 
     async def run_upstream(self) -> None:
         """Find the leader, relay for it until it is lost, and again, forever."""
@@ -284,6 +307,8 @@ class Relay(rpc.AgentSessionServicer):
             # One round later it has (never two skips in a row: a loop always late still
             # detects, a round later).
             stalled = time.monotonic() - before > 2 * period
+            if stalled:
+                self._stalled_at = time.monotonic()
             if stalled and not skipped:
                 skipped = True
                 continue

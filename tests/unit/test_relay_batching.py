@@ -118,3 +118,41 @@ def test_an_agent_waiting_for_its_registration_is_not_judged() -> None:
     relay._detect_silence()  # registered, then silent for longer than the (zero) timeout
     assert queue.get_nowait().WhichOneof("kind") == "registered"  # type: ignore[attr-defined]
     assert queue.get_nowait() is None
+
+
+class _SlowCall:
+    """A leader's stream whose next message comes `after_s` after it is first read (never:
+    None)."""
+
+    def __init__(self, after_s: float | None) -> None:
+        self.after_s = after_s
+
+    async def read(self) -> object:
+        if self.after_s is None:
+            await asyncio.Event().wait()
+        await asyncio.sleep(self.after_s or 0.0)
+        return pb.RelayDown(term=1)
+
+
+@pytest.mark.parametrize("stalled, answer_after, outcome", [
+    (False, None, "silent"),   # the leader said nothing for the timeout: it is lost
+    (False, 0.15, "silent"),   # ... even if it speaks later
+    (True, 0.15, "heard"),     # our own loop was late just now: the leader gets more time
+    (True, None, "silent"),    # but not for ever: three timeouts of silence in all
+])
+def test_a_stalled_relay_does_not_blame_the_leader_for_its_own_lateness(
+        stalled: bool, answer_after: float | None, outcome: str) -> None:
+    relay = Relay(RelayConfig(controllers=["127.0.0.1:1"], leader_timeout_s=0.1))
+    leader = LeaderStream(term=1)
+
+    async def scenario() -> str:
+        leader.heard_at = time.monotonic()
+        if stalled:
+            relay._stalled_at = time.monotonic()
+        try:
+            await relay._read_leader(_SlowCall(answer_after), leader)  # type: ignore[arg-type]
+        except TimeoutError:
+            return "silent"
+        return "heard"
+
+    assert asyncio.run(scenario()) == outcome

@@ -254,3 +254,19 @@ def test_a_draft_copies_a_frozen_map_once_and_leaves_it_alone() -> None:
         assert type(copied) is dict and copied == underneath and copied is not underneath
         copied[3] = "c"
         assert 3 not in underneath
+
+
+def test_agents_lost_together_make_one_generation_not_one_each():
+    """A relay's death or one liveness check can lose many agents at once: one new
+    generation without all of them (each generation is broadcast to every agent; a loss
+    cascade at 3,000 agents kept the leader busy for seconds, BENCHMARKS.md 5)."""
+    view = running(replicas=4, m=8)
+    before = view.generation
+    view, todo, _ = run(view, losses.agents_lost, [("a1", "silent"), ("a2", "relay gone"),
+                                                   ("a9", "unknown"), ("a1", "again")])
+    assert view.generation == before + 1 and view.members == (0, 3)
+    assert not view.agents["a1"].alive and not view.agents["a2"].alive
+    assert sorted(mb for r in (0, 3) for mb in view.plan[r]) == list(range(8))
+    assert kinds(todo).count("Send:generation") == 2  # the two live agents, once each
+    assert [e.message for e in todo if isinstance(e, effects.Emit)
+            and e.kind == "agent-lost"] == ["agent a1: silent", "agent a2: relay gone"]
