@@ -4,8 +4,8 @@
 # to that host's RECOVER_TLS_DIR (recover-ha.env); keep DIR/ca-key.pem off the cluster.
 #   deploy/ha/certs.sh DIR head1:controller+agent@10.0.0.1,recover-etcd gpu1:agent alice:operator
 # NAME: the host's `hostname` (recover-ha.env picks its files by it) or a person;
-# ROLES joined by `+`: controller, agent, reader, operator; @ADDRESS,...: what it serves
-# on (controllers and etcd members; an etcd member also the name every member shares,
+# ROLES joined by `+`: controller, agent, relay, reader, operator; @ADDRESS,...: what it
+# serves on (controllers, relays and etcd members; an etcd member also the name every member shares,
 # RECOVER_ETCD_SERVER_NAME). Existing files are kept: rerun to add hosts.
 set -euo pipefail
 usage="usage: certs.sh DIR NAME:ROLE[+ROLE...][@ADDRESS[,ADDRESS...]] ..."

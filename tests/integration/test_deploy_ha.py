@@ -1,7 +1,7 @@
 """The deploy/ha recipe, run as written on one machine (loopback): certs.sh makes the CA and
 a host certificate, etcd.sh starts a TLS etcd that requires client certificates, and
-controller.sh and agent.sh train a job over mutual TLS, all configured by recover-ha.env
-edited the way a user would."""
+controller.sh and agent.sh train a job over mutual TLS, one agent directly and one behind
+a rack relay (relay.sh), all configured by recover-ha.env edited the way a user would."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def test_the_ha_recipe_trains_over_mutual_tls(tmp_path: Path) -> None:
     if shutil.which("etcdctl") is None:
         pytest.skip("etcdctl is not installed (Debian package etcd-client; scripts/test.sh "
                     "installs it)")
-    port, metrics_port, etcd_port = free_port(), free_port(), free_port()
+    port, metrics_port, etcd_port, relay_port = free_port(), free_port(), free_port(), free_port()
     tls = tmp_path / "tls"
     env_file = edited_env_file(tmp_path, {
         "RECOVER_TLS_DIR": str(tls),
@@ -55,17 +55,18 @@ def test_the_ha_recipe_trains_over_mutual_tls(tmp_path: Path) -> None:
         "RECOVER_CONTROLLERS": f"127.0.0.1:{port}",
         "RECOVER_CONTROLLER_PORT": str(port),
         "RECOVER_METRICS_PORT": str(metrics_port),
-        "RECOVER_AGENT_METRICS_PORT": str(free_port()),
         "RECOVER_JOB_ARGS": f"--job-id ha --replicas 2 --steps {STEPS} -M 4 -B 2 --reduce exact "
                             "--linger 30",
         "RECOVER_WORKER_COMMAND": "",
-        "RECOVER_SLOTS": "2",
+        "RECOVER_SLOTS": "1",
     })
+    # Two agents on this one machine: each its own metrics port (from the environment).
     env = dict(os.environ, RECOVER_BIN=f"{sys.executable} -m recover.cli.main",
+               RECOVER_AGENT_METRICS_PORT=str(free_port()),
                RECOVER_HOST_NAME="host0", RECOVER_ETCD_DATA=str(tmp_path / "etcd"),
                RECOVER_SUMMARY_DIR=str(tmp_path / "summary"), PYTHONUNBUFFERED="1")
     made = subprocess.run(["bash", str(DEPLOY / "certs.sh"), str(tls),
-                           "host0:controller+agent@127.0.0.1,recover-etcd", "gpu1:agent",
+                           "host0:controller+agent+relay@127.0.0.1,recover-etcd", "gpu1:agent",
                            "root:operator"],
                           capture_output=True, text=True, timeout=60, env=env)
     assert made.returncode == 0, made.stderr
@@ -75,11 +76,12 @@ def test_the_ha_recipe_trains_over_mutual_tls(tmp_path: Path) -> None:
     logs.mkdir()
     started: list[subprocess.Popen[bytes]] = []
 
-    def start(name: str, *args: str) -> subprocess.Popen[bytes]:
-        with open(logs / f"{name}.log", "wb") as log:
+    def start(name: str, *args: str, log_name: str = "",
+              **extra_env: str) -> subprocess.Popen[bytes]:
+        with open(logs / f"{log_name or name}.log", "wb") as log:
             process = subprocess.Popen(["bash", str(DEPLOY / f"{name}.sh"), str(env_file), *args],
-                                       stdout=log, stderr=subprocess.STDOUT, env=env,
-                                       start_new_session=True)
+                                       stdout=log, stderr=subprocess.STDOUT,
+                                       env=dict(env, **extra_env), start_new_session=True)
         started.append(process)
         return process
 
@@ -90,7 +92,13 @@ def test_the_ha_recipe_trains_over_mutual_tls(tmp_path: Path) -> None:
                                 capture_output=True, text=True, timeout=120, env=env)
         assert closed.returncode == 0, closed.stdout + closed.stderr
         controller = start("controller", "127.0.0.1")
+        # One replica on host0's agent, directly; the other on gpu1's, behind the rack relay
+        # host0 runs (relay.sh): the relay names gpu1's certificate to the leader.
+        relay = f"127.0.0.1:{relay_port}"
+        start("relay", RECOVER_RELAY=relay)
         start("agent")
+        start("agent", log_name="agent-gpu1", RECOVER_HOST_NAME="gpu1", RECOVER_RELAY=relay,
+              RECOVER_AGENT_METRICS_PORT=str(free_port()))
         summary_file = tmp_path / "summary" / "summary.json"
         wait_for(summary_file.exists, 180, "the controller's summary.json "
                  f"(logs: {sorted(p.name for p in logs.iterdir())})")
@@ -98,6 +106,8 @@ def test_the_ha_recipe_trains_over_mutual_tls(tmp_path: Path) -> None:
         assert summary["state"] == "succeeded", summary["reason"]
         assert summary["steps_committed"] == STEPS
         assert summary["replicas_per_step"][-1] == 2
+        assert "relaying to the leader" in (logs / "relay.log").read_text()
+        assert f"session with the leader at {relay}" in (logs / "agent-gpu1.log").read_text()
 
         # Without the cluster's credentials nobody is let in: the controller asks for a
         # client certificate and the store for one too.

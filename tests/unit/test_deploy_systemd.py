@@ -32,7 +32,7 @@ def test_the_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
         (tmp_path / name).write_text(text)
         names.append(name)
     assert names == ["recover-agent.service", "recover-controller.service",
-                     "recover-etcd@m1.service"]
+                     "recover-etcd@m1.service", "recover-relay.service"]
     result = subprocess.run([analyze, "verify", *(f"./{n}" for n in names)], cwd=tmp_path,
                             capture_output=True, text=True, timeout=60)
     # Unknown or misplaced settings are only warnings to systemd: any output fails the check.
