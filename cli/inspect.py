@@ -49,6 +49,8 @@ def format_status(status: pb.JobStatus) -> str:
         f"replicas    {len(status.live_replicas)} live {list(status.live_replicas)} "
         f"on {status.agents} agents" + (f", joining {list(status.joining)}" if status.joining
                                         else ""),
+        *([f"relays      {status.relays}, carrying {status.agents_via_relays} agents' sessions"]
+          if status.relays else []),
         f"plan        {load or '-'} (replica:microbatches@measured time per microbatch)",
         *([f"stealing    {status.steals} steals moved {status.microbatches_stolen} "
            "microbatches"] if status.work_stealing else []),

@@ -23,6 +23,8 @@ class ControlService(rpc.ControlServicer):
         self._sessions = sessions
         self._gate = sessions.gate
         self.election: LeaderElection | None = None
+        self.relay_counts: Callable[[], tuple[int, int]] = lambda: (0, 0)
+        """(relays connected, agents through them): the leader's relay hub says."""
 
     async def _standby_status(self) -> pb.JobStatus:
         election = self.election
@@ -52,6 +54,7 @@ class ControlService(rpc.ControlServicer):
         if coordinator is None:
             return await self._standby_status()
         status = job_status(coordinator)
+        status.relays, status.agents_via_relays = self.relay_counts()
         if self.election is not None:
             status.role, status.term, status.leader = "leader", self.election.term, self.election.address
         return status

@@ -55,6 +55,8 @@ class RelayOutbox:
                                   tuple[grpc.StatusCode, str] | None]] = []
         self._scheduled = False
         self.last_sent = time.monotonic()
+        self.agents = 0
+        """Agents registered through this relay now."""
 
     def deliver(self, agent_id: str, message: pb.ControllerMessage | None,
                 refused: tuple[grpc.StatusCode, str] | None = None) -> None:
@@ -107,6 +109,10 @@ class RelayHub(rpc.RelayLinkServicer):
         self._relays: set[RelayOutbox] = set()
         sessions.release_hooks.append(self._release)
 
+    def counts(self) -> tuple[int, int]:
+        """(relays connected, agents reached through them): for `recover status`."""
+        return len(self._relays), sum(relay.agents for relay in self._relays)
+
     def _release(self) -> None:
         """We stopped leading: every relay looks for the new leader."""
         for relay in self._relays:
@@ -150,6 +156,8 @@ class RelayHub(rpc.RelayLinkServicer):
                         return
                     if up.relay_id:
                         name = up.relay_id
+                        coordinator.events.emit("relay-connected", f"relay {name} carries "
+                                                "its rack's agents' sessions")
                     if time.monotonic() - vouched_at[0] >= VOUCH_EVERY_S:
                         vouched_at[0] = time.monotonic()
                         for agent_id in agents:
@@ -181,7 +189,8 @@ class RelayHub(rpc.RelayLinkServicer):
             reader.cancel()
             handler.cancel()
             self._relays.discard(relay)
-            log.info("relay %s gone: its %d agents' sessions end", name, len(agents))
+            coordinator.events.emit("relay-gone", f"relay {name}: its {len(agents)} agents' "
+                                    "sessions end", level=logging.WARNING)
             await sessions.sessions_over(coordinator, [
                 (agent_id, outbox, f"session closed (relay {name} gone)")
                 for agent_id, outbox in agents.items()])
@@ -197,6 +206,7 @@ class RelayHub(rpc.RelayLinkServicer):
             if relayed.closed:
                 if outbox is not None:
                     del agents[agent_id]
+                    relay.agents = len(agents)
                     ended.append((agent_id, outbox, relayed.reason or "session closed"))
                 continue
             await sessions.sessions_over(coordinator, ended)
@@ -219,4 +229,5 @@ class RelayHub(rpc.RelayLinkServicer):
                 relay.deliver(agent_id, None, refusal)
             else:
                 agents[agent_id] = outbox
+            relay.agents = len(agents)
         await sessions.sessions_over(coordinator, ended)

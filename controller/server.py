@@ -133,6 +133,7 @@ async def serve(config: ControllerConfig, job: pb.JobConfig) -> int:
     add_service(server, control, "Control")
     relays = RelayHub(sessions)
     add_service(server, relays, "RelayLink")
+    control.relay_counts = relays.counts
     listen = f"{config.host}:{config.port}"
     try:
         port = (server.add_secure_port(listen, server_credentials(security)) if security.tls

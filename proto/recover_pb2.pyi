@@ -853,7 +853,7 @@ class ReplicaLoad(_message.Message):
     def __init__(self, replica: _Optional[int] = ..., microbatches: _Optional[int] = ..., microbatch_s: _Optional[float] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("state", "reason", "generation", "steps_committed", "steps_total", "live_replicas", "load", "recoveries", "last_loss", "tokens", "elapsed_s", "agents", "job_id", "redos", "role", "term", "leader", "joining", "work_stealing", "steals", "microbatches_stolen")
+    __slots__ = ("state", "reason", "generation", "steps_committed", "steps_total", "live_replicas", "load", "recoveries", "last_loss", "tokens", "elapsed_s", "agents", "job_id", "redos", "role", "term", "leader", "joining", "work_stealing", "steals", "microbatches_stolen", "relays", "agents_via_relays")
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -875,6 +875,8 @@ class JobStatus(_message.Message):
     WORK_STEALING_FIELD_NUMBER: _ClassVar[int]
     STEALS_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_STOLEN_FIELD_NUMBER: _ClassVar[int]
+    RELAYS_FIELD_NUMBER: _ClassVar[int]
+    AGENTS_VIA_RELAYS_FIELD_NUMBER: _ClassVar[int]
     state: str
     reason: str
     generation: int
@@ -896,7 +898,9 @@ class JobStatus(_message.Message):
     work_stealing: bool
     steals: int
     microbatches_stolen: int
-    def __init__(self, state: _Optional[str] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., steps_committed: _Optional[int] = ..., steps_total: _Optional[int] = ..., live_replicas: _Optional[_Iterable[int]] = ..., load: _Optional[_Iterable[_Union[ReplicaLoad, _Mapping]]] = ..., recoveries: _Optional[int] = ..., last_loss: _Optional[float] = ..., tokens: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., agents: _Optional[int] = ..., job_id: _Optional[str] = ..., redos: _Optional[int] = ..., role: _Optional[str] = ..., term: _Optional[int] = ..., leader: _Optional[str] = ..., joining: _Optional[_Iterable[int]] = ..., work_stealing: _Optional[bool] = ..., steals: _Optional[int] = ..., microbatches_stolen: _Optional[int] = ...) -> None: ...
+    relays: int
+    agents_via_relays: int
+    def __init__(self, state: _Optional[str] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., steps_committed: _Optional[int] = ..., steps_total: _Optional[int] = ..., live_replicas: _Optional[_Iterable[int]] = ..., load: _Optional[_Iterable[_Union[ReplicaLoad, _Mapping]]] = ..., recoveries: _Optional[int] = ..., last_loss: _Optional[float] = ..., tokens: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., agents: _Optional[int] = ..., job_id: _Optional[str] = ..., redos: _Optional[int] = ..., role: _Optional[str] = ..., term: _Optional[int] = ..., leader: _Optional[str] = ..., joining: _Optional[_Iterable[int]] = ..., work_stealing: _Optional[bool] = ..., steals: _Optional[int] = ..., microbatches_stolen: _Optional[int] = ..., relays: _Optional[int] = ..., agents_via_relays: _Optional[int] = ...) -> None: ...
 
 class EventsRequest(_message.Message):
     __slots__ = ("after_seq",)

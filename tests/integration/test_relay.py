@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import pytest
 
 from recover.agent.link import LinkError, close_session, open_session
 from recover.cli.certs import init_ca, issue
-from recover.cli.inspect import to_json
+from recover.cli.inspect import format_status, to_json
 from recover.common.security import Role, Security, aio_channel
 from recover.proto import pb, rpc
 from tests.etcd_cluster import free_port
@@ -41,16 +42,18 @@ def _relay(processes: Processes, folder: Path, controller: str, name: str, *extr
     return f"127.0.0.1:{port}"
 
 
+def _tls_call(address: str, reader: tuple[Path, Path, Path], method: str, request: Any) -> Any:
+    """A Control RPC over mutual TLS with `reader`'s certificate (cert, key, CA)."""
+    cert, key, ca = (p.read_bytes() for p in reader)
+    with grpc.secure_channel(address, grpc.ssl_channel_credentials(ca, key, cert)) as channel:
+        return getattr(rpc.ControlStub(channel), method)(request, timeout=5)
+
+
 def _events(address: str, kind: str, reader: tuple[Path, Path, Path] | None = None
             ) -> list[dict[str, Any]]:
     """The controller's events of one kind; over mutual TLS with `reader` (cert, key, CA)."""
-    if reader is None:
-        events = control_events(address)
-    else:
-        cert, key, ca = (p.read_bytes() for p in reader)
-        credentials = grpc.ssl_channel_credentials(ca, key, cert)
-        with grpc.secure_channel(address, credentials) as channel:
-            events = list(rpc.ControlStub(channel).Events(pb.EventsRequest(), timeout=5).events)
+    events = (control_events(address) if reader is None
+              else _tls_call(address, reader, "Events", pb.EventsRequest()).events)
     return [json.loads(to_json(e)) for e in events if e.kind == kind]
 
 
@@ -119,18 +122,27 @@ def test_a_relay_over_mutual_tls_refuses_impostors_and_its_death_loses_its_agent
         relay_process = processes.started[-1]
         agent = Security(cert=credentials["host"][1], key=credentials["host"][3],
                          ca=credentials["host"][5])
-        asyncio.run(_agents_then_relay_death(address, relay, relay_process.pid, agent))
         reader = (certs / "ops.pem", certs / "ops-key.pem", certs / "ca.pem")
+
+        def through_the_relay() -> None:  # `recover status` counts the relay and its agents
+            status = _tls_call(address, reader, "Status", pb.StatusRequest())
+            assert (status.relays, status.agents_via_relays, status.agents) == (1, 2, 2)
+            assert "relays      1, carrying 2 agents' sessions" in format_status(status)
+            assert _events(address, "relay-connected", reader)
+
+        asyncio.run(_agents_then_relay_death(address, relay, relay_process.pid, agent,
+                                             through_the_relay))
         lost = wait_for(lambda: (events := _events(address, "agent-lost", reader))
                         and len(events) == 2 and events, 15,
                         "both agents behind the dead relay declared lost")
-        assert all("session closed" in e["message"] for e in lost), lost
+        assert all("session closed (relay rack-b gone)" in e["message"] for e in lost), lost
+        assert _events(address, "relay-gone", reader)
     finally:
         processes.stop()
 
 
 async def _agents_then_relay_death(controller: str, relay: str, relay_pid: int,
-                                   security: Security) -> None:
+                                   security: Security, check: Callable[[], None]) -> None:
     def register(agent_id: str) -> pb.AgentMessage:
         return pb.AgentMessage(register=pb.RegisterAgent(agent_id=agent_id, host="h", slots=1))
 
@@ -152,6 +164,7 @@ async def _agents_then_relay_death(controller: str, relay: str, relay_pid: int,
     # The leader's beats reach agents through the relay: well within an agent's 2 s timeout.
     beat = await asyncio.wait_for(first.call.read(), 2.0)
     assert beat.WhichOneof("kind") == "heartbeat" and beat.term >= 1
+    check()
     os.kill(relay_pid, signal.SIGKILL)
     for session in (first, second):
         assert await _until_broken(session.call, 10.0) in ("ended", "failed")
