@@ -8,6 +8,8 @@ walks the coordinator's state. Names (all prefixed `recover_`):
 | `recover_live_replicas` | gauge | replicas alive in the job |
 | `recover_target_replicas` | gauge | replicas the job asks for (`--replicas`; spares not counted) |
 | `recover_live_agents` | gauge | agents with a live session |
+| `recover_relays` | gauge | rack relays whose streams the leader holds (README "Relays for large jobs") |
+| `recover_agents_via_relays` | gauge | agents whose sessions a relay carries |
 | `recover_generation` | gauge | current membership generation |
 | `recover_steps_committed_total` | counter | committed steps |
 | `recover_microbatches_committed_total` | counter | microbatches in committed steps |
@@ -41,7 +43,7 @@ walks the coordinator's state. Names (all prefixed `recover_`):
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -62,9 +64,12 @@ TRANSFER_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
 class ControllerCollector(Collector):
-    def __init__(self, coordinator: Coordinator, leader_term: int = 0) -> None:
+    def __init__(self, coordinator: Coordinator, leader_term: int = 0,
+                 relay_counts: Callable[[], tuple[int, int]] = lambda: (0, 0)) -> None:
         self._c = coordinator
         self.leader_term = leader_term
+        self._relay_counts = relay_counts
+        """(relays connected, agents through them): the leader's relay hub says."""
 
     def collect(self) -> Iterator[Metric]:
         c = self._c
@@ -78,6 +83,10 @@ class ControllerCollector(Collector):
         yield gauge("recover_target_replicas", "Replicas the job asks for", c.view.job.replicas)
         yield gauge("recover_live_agents", "Agents with a live session",
                     sum(a.alive for a in c.agents.values()))
+        relays, via_relays = self._relay_counts()
+        yield gauge("recover_relays", "Rack relays whose streams the leader holds", relays)
+        yield gauge("recover_agents_via_relays", "Agents whose sessions a relay carries",
+                    via_relays)
         yield gauge("recover_generation", "Current membership generation", c.generation)
         yield CounterMetricFamily("recover_steps_committed", "Committed steps", value=len(c.steps))
         yield CounterMetricFamily("recover_microbatches_committed", "Microbatches in committed steps",

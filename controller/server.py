@@ -8,7 +8,7 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -174,7 +174,8 @@ async def serve(config: ControllerConfig, job: pb.JobConfig) -> int:
         while not stop.is_set():
             if await _until(election.campaign(), stop) is None:
                 break
-            coordinator = await _lead(config, job, election, sessions, rendezvous, registry)
+            coordinator = await _lead(config, job, election, sessions, rendezvous, registry,
+                                      relays.counts)
             ended = await _until(_serve_term(config, coordinator, election, sessions, relays),
                                  stop)
             if ended is None or ended == FINISHED:
@@ -232,7 +233,8 @@ def _resume_point(job: pb.JobConfig) -> pb.CheckpointMeta | None:
 
 async def _lead(config: ControllerConfig, job: pb.JobConfig, election: LeaderElection,
                 sessions: AgentSessions, rendezvous: RendezvousHost,
-                registry: CollectorRegistry) -> Coordinator:
+                registry: CollectorRegistry,
+                relay_counts: Callable[[], tuple[int, int]]) -> Coordinator:
     """Start a term: a coordinator on fenced writes, rebuilt from the store if a job is there."""
     store = LeaderStore(election)
     coordinator = Coordinator(job, store, sessions.send, rendezvous.address,
@@ -248,7 +250,7 @@ async def _lead(config: ControllerConfig, job: pb.JobConfig, election: LeaderEle
     sessions.lead(coordinator)
     with contextlib.suppress(KeyError):
         registry.unregister(sessions.collector)  # type: ignore[arg-type]
-    sessions.collector = ControllerCollector(coordinator, election.term)
+    sessions.collector = ControllerCollector(coordinator, election.term, relay_counts)
     registry.register(sessions.collector)
     return coordinator
 

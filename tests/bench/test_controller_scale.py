@@ -12,10 +12,12 @@ from recover.cli.main import main
 
 
 @pytest.mark.timeout(90)
-def test_sim_agents_against_a_real_controller(tmp_path, capsys):
-    # Real processes: the controller and the simulated agents' processes are what is measured;
-    # the bench that starts them runs in this process.
-    code = main(["bench", "controller", "--agents", "3", "--duration", "3", "--out", str(tmp_path)])
+@pytest.mark.parametrize("relays", [0, 1])
+def test_sim_agents_against_a_real_controller(tmp_path, capsys, relays):
+    # Real processes: the controller (with `relays`, a relay process in front of it) and the
+    # simulated agents' processes are what is measured; the bench runs in this process.
+    code = main(["bench", "controller", "--agents", "3", "--duration", "3", "--out", str(tmp_path),
+                 "--relays", str(relays)])
     assert code == 0, capsys.readouterr().err
     (row,) = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert "error" not in row, row
@@ -25,6 +27,7 @@ def test_sim_agents_against_a_real_controller(tmp_path, capsys):
     assert row["generation_after_death"] == 2 and row["agents_alive_after_death"] == 2
     assert row["survivors_with_new_plan"] == 2
     assert row["death_to_last_plan_s"] is not None and row["controller_cpu_fraction"] >= 0
+    assert row["relays"] == relays and row["relays_cpu_fraction"] >= 0  # ticks of 10 ms: maybe 0
 
 
 def test_fit_and_split():
