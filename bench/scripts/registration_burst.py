@@ -1,11 +1,15 @@
-"""The leader's own cost of a registration burst: N agents register, then report ready.
+"""The leader's own cost of a registration burst (N agents register, then report ready),
+and of the generation one agent's loss then makes.
 
     python bench/scripts/registration_burst.py --sizes 1000,3000,12500
 
 In process, on the real `Coordinator` over the in-memory store, with no network and no
 clients: what the leader's transitions cost per agent as the job grows (the gRPC path
 is measured by `recover bench controller`). A cost per agent that grows with N is a
-quadratic burst.
+quadratic burst. A loss is timed twice: as the transition alone (what a leader behind
+relays pays: each relay gets the new view once), and with every agent's message
+serialized on its own (what gRPC does for direct sessions: N copies of a view of N
+members).
 """
 
 from __future__ import annotations
@@ -25,7 +29,13 @@ async def burst(n: int) -> dict[str, float]:
     job = pb.JobConfig(job_id="burst", replicas=n, steps=5, global_microbatches=n, seed=0,
                        reduce="fast", policy="recover",
                        workload=pb.WorkloadSpec(command=["python", "train.py"]))
-    coordinator = Coordinator(job, MemoryStore(), lambda agent, message: None, "127.0.0.1:1")
+    serialize = [False]
+
+    def send(agent: str, message: pb.ControllerMessage) -> None:
+        if serialize[0]:
+            message.SerializeToString()
+
+    coordinator = Coordinator(job, MemoryStore(), send, "127.0.0.1:1")
     began = time.perf_counter()
     for i in range(n):
         await coordinator.register_agent(f"sim-{i:05d}", "sim", 1)
@@ -33,7 +43,14 @@ async def burst(n: int) -> dict[str, float]:
     for replica in range(n):
         await coordinator.worker_ready(replica, pb.Ready(pid=1, param_sha256="sim"))
     ready = time.perf_counter()
-    return {"agents": n, "register_s": round(registered - began, 3),
+    losses = []
+    for index, each in enumerate((False, True)):
+        serialize[0] = each
+        lost = time.perf_counter()
+        await coordinator.agent_lost(f"sim-{index:05d}", "measured")
+        losses.append(round((time.perf_counter() - lost) * 1e3, 2))
+    return {"agents": n, "loss_generation_ms": losses[0], "loss_generation_serialized_ms": losses[1],
+            "register_s": round(registered - began, 3),
             "register_ms_each": round((registered - began) / n * 1e3, 4),
             "ready_s": round(ready - registered, 3),
             "ready_ms_each": round((ready - registered) / n * 1e3, 4)}
