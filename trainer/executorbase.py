@@ -26,7 +26,6 @@ from recover.trainer.checkpoint import CheckpointWriter, committed_digest
 from recover.trainer.checkpoint import load as load_checkpoint
 from recover.trainer.destinations import OwnTensors
 from recover.trainer.errors import contract_error
-from recover.trainer.fastreduce import FastAccumulator
 from recover.trainer.gradients import GradientBuckets
 from recover.trainer.groups import CrossReplicaGroup, GroupFactory, build_group
 from recover.trainer.hooks import StepHooks
@@ -55,9 +54,9 @@ class ExecutorBase(ABC):
         self.grads = grads
         self.accumulator = accumulator
         self.early: EarlyReduction | None = EarlyReduction(accumulator, replica) \
-            if isinstance(accumulator, FastAccumulator) and accumulator.pieces else None
+            if accumulator.pieces else None
         """Reduces the pieces of the gradient during the step's last backward (overlap.py);
-        None when the accumulator has no pieces (exact mode, a small model, turned off)."""
+        None when the accumulator has no pieces (a small model, turned off)."""
         self.hooks = hooks or StepHooks()
         """Fault injection and emulated compute when the job's testing config asks; no-ops else."""
         self.build_group = groups

@@ -161,6 +161,12 @@ class FastAccumulator:
     def before_microbatch(self) -> None:
         pass
 
+    def defer_pieces(self) -> None:
+        """Nothing to do: backward accumulates into `.grad`, which the pieces copy."""
+
+    def piece_ready(self, index: int) -> None:
+        """Nothing to do (see `defer_pieces`)."""
+
     def after_microbatch(self, loss: float) -> None:
         self.loss_sum += loss
         self.count += 1

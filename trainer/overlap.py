@@ -1,4 +1,4 @@
-"""The step's reduction started during the last microbatch's backward (fast mode).
+"""The step's reduction started during the last microbatch's backward (fast and exact mode).
 
 DDP reduces a gradient bucket as soon as backward has produced it, so most of the
 reduction hides behind the rest of the backward; a ReCoVer step used to reduce after its
@@ -7,6 +7,13 @@ gradient bucket, whose parameters backward finishes first) are reduced on a thre
 their own as soon as the last microbatch's backward has added its gradient to every
 parameter of a piece; what is left (the bucket's head, other buckets, the statistics)
 follows once the microbatch is done.
+
+In exact mode the accumulation is the quantization of each microbatch's gradient (not
+backward's sum into `.grad`), so the hooked microbatch's pieces are quantized and added
+on this thread of backward's, as it completes each (`ExactAccumulator.piece_ready`), and
+only their copy and allreduce go to the reducing thread: a hooked reduction dropped before
+its pieces went leaves the sum complete. Not on a GPU yet (never checked on one) and not
+with loss scaling (its non-finite rule looks at the whole microbatch).
 
 Why this keeps every guarantee:
 - Every member issues the same collectives in the same order, whether it started some
@@ -41,6 +48,7 @@ import torch
 from recover.trainer.digest import local_part
 from recover.trainer.fastreduce import FastAccumulator, Piece
 from recover.trainer.groups import CollectiveAborted, CrossReplicaGroup
+from recover.trainer.reduction import ExactAccumulator
 
 log = logging.getLogger("recover.trainer")
 
@@ -52,13 +60,15 @@ model whose gradient is smaller has no pieces and reduces as before, in one coll
 def piece_bytes(reduce: str, after_backward: bool, own_backward: bool, ranks: int,
                 size: int = 0) -> int:
     """The accumulator's piece size for a job: PIECE_BYTES where a reduction can start during
-    the backward, else 0 (each buffer one collective, as before). Not in exact mode (each
-    microbatch's integers are made after its backward), nor with `--no-overlap-reduce`, nor
+    the backward, else 0 (each buffer one collective, as before). In exact mode the hooked
+    microbatch's integers are made piece by piece as backward completes them
+    (`ExactAccumulator.piece_ready`; none with loss scaling, none on a GPU yet). Not with
+    `--no-overlap-reduce`, nor
     for a user's own `forward_backward` (it may run several backward passes, or change a
     gradient after one), nor for a replica of several ranks (FSDP2 writes the gradient
     shards itself). The same for every replica of a job, as their collectives must be.
     `size`: another piece size than PIECE_BYTES (tests, benchmarks)."""
-    if reduce == "exact" or after_backward or own_backward or ranks > 1:
+    if after_backward or own_backward or ranks > 1:
         return 0
     return size or PIECE_BYTES
 
@@ -86,7 +96,7 @@ class _Hooked:
 class EarlyReduction:
     """Hooks a replica's last microbatch of a step and reduces its pieces meanwhile."""
 
-    def __init__(self, accumulator: FastAccumulator, replica: int = 0) -> None:
+    def __init__(self, accumulator: FastAccumulator | ExactAccumulator, replica: int = 0) -> None:
         self.accumulator = accumulator
         self.replica = replica
         self.pieces: list[Piece] = list(accumulator.pieces)
@@ -107,6 +117,7 @@ class EarlyReduction:
         """Before the step's last microbatch: reduce each piece once its backward is done.
         `done`: microbatches accumulated once this one is."""
         self.drop()
+        self.accumulator.defer_pieces()
         buffers = self.accumulator.new_buffers()
         hooked = _Hooked(group, step, done, buffers, [len(ps) for ps in self._params])
         for index, params in enumerate(self._params):
@@ -146,7 +157,7 @@ class EarlyReduction:
         self.accumulator.fill_rest(hooked.buffers)
         rest = self.accumulator.schedule(hooked.buffers)[len(self.pieces):]
         hooked.futures.append(self._submit(partial(self._reduce_rest, hooked, rest,
-                                                   _record_events(hooked.buffers))))
+                                                   _record_events(rest))))
         self._wait(hooked)
         if hooked.failure is not None:
             raise CollectiveAborted(hooked.failure)
@@ -192,6 +203,7 @@ class EarlyReduction:
         the rest too, once the microbatch is over)."""
         while hooked.started < len(self.pieces) and (every or hooked.waiting[hooked.started] == 0):
             piece = self.pieces[hooked.started]
+            self.accumulator.piece_ready(hooked.started)  # exact mode: its integers, here
             event = _record_event(self.accumulator.grads.buckets[piece.bucket].flat)
             hooked.futures.append(self._submit(partial(self._reduce_piece, hooked, piece, event)))
             hooked.started += 1
@@ -218,7 +230,7 @@ class EarlyReduction:
 
     def _reduce_rest(self, hooked: _Hooked, rest: list[torch.Tensor], events: list[Any]) -> None:
         try:
-            for buffer, event in zip(rest, events, strict=False):
+            for buffer, event in zip(rest, events, strict=True):
                 if hooked.failure is None:
                     with self._stream_for(buffer.device, event):
                         hooked.waits.append((buffer.device,

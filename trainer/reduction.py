@@ -40,9 +40,9 @@ from typing import Any, TypeAlias
 
 import torch
 
-from recover.trainer.fastreduce import REDUCE_DTYPES, FastAccumulator, Reduced
-from recover.trainer.gradients import Bucket, BucketSet
-from recover.trainer.limbs import SMALL
+from recover.trainer.exactparts import ExactBucket, exact_pieces, peaks
+from recover.trainer.fastreduce import REDUCE_DTYPES, FastAccumulator, Piece, Reduced
+from recover.trainer.gradients import BucketSet
 
 EXACT_BITS = 53
 """float64 holds every integer below 2**53 exactly: the reduced sum must stay below it."""
@@ -59,38 +59,14 @@ MIN_EXPONENT = -126
 """Fast mode: reduce in each gradient's own dtype, or in (at least) float32."""
 
 
-class _ExactBucket:
-    """Per-bucket scratch of the exact accumulator, allocated once."""
-
-    def __init__(self, bucket: Bucket, reduced: torch.Tensor, offset: int) -> None:
-        self.bucket = bucket
-        self.scale_dtype = torch.float64 if bucket.dtype == torch.float64 else torch.float32
-        self.offset = offset
-        """Where its sum lies in its device's reduce buffer."""
-        self.sum = reduced[offset:offset + bucket.numel]
-        self.scaled = torch.empty(bucket.numel, dtype=self.scale_dtype, device=bucket.device)
-        # float64 needs no widening: it is already the accumulator's dtype.
-        self.wide = None if self.scale_dtype == torch.float64 else torch.empty_like(self.sum)
-        self.integer = bucket.integer and self.scale_dtype == torch.float64
-        """Integer buffers' deltas (whole numbers in float64): summed as they are, unscaled.
-        The scaled path multiplied them by 2**e (e >= 0 while their mean is below 2**43 / M**2) and
-        divided by it at the end, both exact: the same bits, without four small ops a
-        microbatch (issue 23). Only a delta too large for e >= 0 differs: it was rounded
-        there and is summed exactly here."""
-        self.peak_list = self.integer and bucket.numel <= SMALL
-        """Its bound checked on a Python list: one op instead of three for a few counters."""
-        self.scale = torch.empty(0)
-        self.filled: list[int | None] = []
-        """The exponent each tensor's range of `scale` holds (None: not filled yet)."""
-
-
 class ExactAccumulator:
     """Fixed-point accumulation (integers held exactly in float64), power-of-two scale per tensor."""
 
     STATS = 4  # loss (fixed point), microbatch count, overflow count, non-finite count
 
     def __init__(self, grads: BucketSet, global_microbatches: int,
-                 loss_scaled_buckets: int = 0, loss_scale: float = 1.0) -> None:
+                 loss_scaled_buckets: int = 0, loss_scale: float = 1.0,
+                 piece_bytes: int = 0) -> None:
         self.grads = grads
         self.global_microbatches = global_microbatches
         self._loss_scaled = loss_scaled_buckets
@@ -113,7 +89,7 @@ class ExactAccumulator:
         offsets = dict.fromkeys(sizes, 0)
         self._parts = []
         for b in grads.buckets:
-            self._parts.append(_ExactBucket(b, self._reduced[b.device], offsets[b.device]))
+            self._parts.append(ExactBucket(b, self._reduced[b.device], offsets[b.device]))
             offsets[b.device] += b.numel
         # The first step has no previous gradient: assume a mean of 1.0 per tensor (times
         # the loss scale where the gradient is scaled).
@@ -125,6 +101,15 @@ class ExactAccumulator:
         self.count = 0
         self.overflow = 0
         self.nonfinite = 0
+        self.pieces: list[Piece] = exact_pieces(self._parts, piece_bytes) \
+            if loss_scaled_buckets == 0 else []
+        """Ranges of the largest bucket's sum reduced first, by a collective each (overlap.py
+        starts them in the last backward). None with loss scaling (its rule needs the whole)."""
+        self._deferred = False
+        """The current microbatch is hooked: its pieces are quantized as backward completes
+        them (`piece_ready`), the rest by `after_microbatch`."""
+        self._pieces_done: set[int] = set()
+        self._piece_misfit = False
 
     def _exponent(self, mean_abs_max: float) -> int:
         bound = max(mean_abs_max, 1e-30) * self.global_microbatches * 2.0 ** HEADROOM_BITS
@@ -173,8 +158,38 @@ class ExactAccumulator:
 
     def before_microbatch(self) -> None:
         self.grads.zero()  # each microbatch's gradient is quantized on its own
+        self._deferred, self._pieces_done, self._piece_misfit = False, set(), False
+
+    def defer_pieces(self) -> None:
+        """The coming microbatch is the step's last and hooked (overlap.py): its pieces are
+        quantized and added as backward completes them, to be reduced meanwhile (the same ops
+        on the same elements: the same integers). A piece that does not fit is not added and
+        the microbatch is an overflow: the step is redone, what was added discarded."""
+        self._deferred = True
+
+    def piece_ready(self, index: int) -> None:
+        """Backward completed piece `index` of a deferred microbatch: quantize and add it."""
+        if not self._deferred or index in self._pieces_done:
+            return
+        self._pieces_done.add(index)
+        piece = self.pieces[index]
+        part = self._parts[piece.bucket]
+        a, b = piece.bucket_start, piece.bucket_end
+        scaled = torch.mul(part.bucket.flat[a:b], part.scale[a:b], out=part.scaled[a:b])
+        low, high = torch.aminmax(scaled)
+        if not (-self._limit < float(low) and float(high) < self._limit):
+            self._piece_misfit = True
+            return
+        rounded = part.scaled[a:b].round_()
+        if part.wide is None:
+            part.sum[a:b].add_(rounded)
+        else:
+            part.sum[a:b].add_(part.wide[a:b].copy_(rounded))
 
     def after_microbatch(self, loss: float) -> None:
+        if self._deferred:
+            self._after_deferred(loss)
+            return
         # Preallocated buffers: this runs once per microbatch on the whole model.
         # A non-finite or huge loss (a diverged model) counts as overflow like a
         # non-finite gradient: the step is redone, then fails saying so.
@@ -197,11 +212,37 @@ class ExactAccumulator:
             self.loss_acc += round(loss * 2.0 ** LOSS_SCALE_BITS)
         self.count += 1
 
-    def _misfit(self, start: int) -> int | None:
+    def _after_deferred(self, loss: float) -> None:
+        """`after_microbatch` of a hooked microbatch: the pieces backward did not reach, then
+        everything outside them, each added only if the whole microbatch fits (loss scaling,
+        whose rule needs the whole gradient, has no pieces)."""
+        for index in range(len(self.pieces)):
+            self.piece_ready(index)
+        loss_fits = abs(loss) < self._loss_limit
+        cut = {self._parts[p.bucket]: min(q.bucket_start for q in self.pieces
+                                          if q.bucket == p.bucket) for p in self.pieces}
+        fits = loss_fits and not self._piece_misfit and self._misfit(0, cut) is None
+        if fits:
+            self._add(self._parts, cut)
+        else:
+            self.overflow += 1
+        if loss_fits:
+            self.loss_acc += round(loss * 2.0 ** LOSS_SCALE_BITS)
+        self.count += 1
+        self._deferred = False
+
+    def _misfit(self, start: int, cut: dict[ExactBucket, int] | None = None) -> int | None:
         """The index of the first part from `start` whose gradient does not fit its scale,
         None when all fit; each part's scaled gradient is left in its `scaled` buffer."""
         for index in range(start, len(self._parts)):
             part = self._parts[index]
+            n = (cut or {}).get(part)
+            if n is not None:  # a bucket whose end went in pieces: its head only
+                scaled = torch.mul(part.bucket.flat[:n], part.scale[:n], out=part.scaled[:n])
+                low, high = torch.aminmax(scaled)
+                if not (-self._limit < float(low) and float(high) < self._limit):
+                    return index
+                continue
             if part.peak_list:
                 # Whole numbers (or a NaN/inf, which fails the test): the sum of every
                 # microbatch's stays below 2**53 when each is below the limit.
@@ -217,29 +258,59 @@ class ExactAccumulator:
         return None
 
     @staticmethod
-    def _add(parts: list[_ExactBucket]) -> None:
+    def _add(parts: list[ExactBucket], cut: dict[ExactBucket, int] | None = None) -> None:
         for part in parts:
             if part.integer:
                 part.sum.add_(part.bucket.flat)  # whole numbers: nothing to round
                 continue
-            rounded = part.scaled.round_()
+            n = (cut or {}).get(part, part.bucket.numel)
+            rounded = part.scaled[:n].round_()
             if part.wide is None:
-                part.sum.add_(rounded)
+                part.sum[:n].add_(rounded)
             else:
                 # Widen first: an in-place float64 += float32 takes a slow mixed-type path (5x).
-                part.sum.add_(part.wide.copy_(rounded))
+                part.sum[:n].add_(part.wide[:n].copy_(rounded))
 
     def buffers(self) -> list[torch.Tensor]:
         self._stats.copy_(torch.tensor(
             [self.loss_acc, self.count, self.overflow, self.nonfinite], dtype=torch.float64))
         return [buffer.clone() for buffer in self._reduced.values()]
 
-    pieces: tuple = ()
-    """No piece reduced early: each microbatch's integers are made after its backward."""
+    @property
+    def _devices(self) -> list[torch.device]:
+        return list(self._reduced)
+
+    def new_buffers(self) -> list[torch.Tensor]:
+        """The reduce buffers, not yet filled (`fill_piece`, `fill_rest`)."""
+        return [torch.empty_like(buffer) for buffer in self._reduced.values()]
+
+    def fill_piece(self, out: list[torch.Tensor], piece: Piece) -> None:
+        """Copy a piece of the sum (its microbatch quantized and added: `piece_ready`)."""
+        source = self._reduced[self._devices[piece.group]]
+        out[piece.group][piece.start:piece.end].copy_(source[piece.start:piece.end])
+
+    def fill_rest(self, out: list[torch.Tensor]) -> None:
+        """Copy everything the pieces do not hold: the other sums and the statistics."""
+        self._stats.copy_(torch.tensor(
+            [self.loss_acc, self.count, self.overflow, self.nonfinite], dtype=torch.float64))
+        for group, buffer in enumerate(self._reduced.values()):
+            for start, end in self._rest(group, buffer.numel()):
+                out[group][start:end].copy_(buffer[start:end])
+
+    def _rest(self, group: int, size: int) -> list[tuple[int, int]]:
+        """The ranges of buffer `group` outside the pieces, in order."""
+        spans = sorted((p.start, p.end) for p in self.pieces if p.group == group)
+        if not spans:
+            return [(0, size)]
+        return [(0, spans[0][0]), (spans[-1][1], size)]
 
     def schedule(self, out: list[torch.Tensor]) -> list[torch.Tensor]:
-        """One collective per buffer."""
-        return out
+        """What each collective reduces, in the order every member issues them: the pieces,
+        then what is left of each buffer (two ranges around the pieces where it has some)."""
+        pieces = [out[p.group][p.start:p.end] for p in self.pieces]
+        rest = [out[group][start:end] for group, buffer in enumerate(out)
+                for start, end in self._rest(group, buffer.numel()) if end > start]
+        return pieces + rest
 
     def finish(self, reduced: list[torch.Tensor]) -> Reduced:
         loss_acc, count, overflow, nonfinite = (int(v) for v in reduced[-1][-self.STATS:])
@@ -271,7 +342,7 @@ class ExactAccumulator:
                 predicted.append(previous)
                 continue
             exponents = []
-            for peak, before in zip(_peaks(mean, part.bucket.sizes), previous, strict=True):
+            for peak, before in zip(peaks(mean, part.bucket.sizes), previous, strict=True):
                 # A non-finite peak has no meaningful scale: keep the previous prediction.
                 exponents.append(self._exponent(peak) if math.isfinite(peak) else before)
             predicted.append(exponents)
@@ -307,18 +378,6 @@ class ExactAccumulator:
         self._rescale()
 
 
-def _peaks(mean: torch.Tensor, sizes: list[int]) -> list[float]:
-    """Each tensor's max |x| in a bucket's committed mean (NaN where it is not finite)."""
-    peaks, offset = [], 0
-    for n in sizes:
-        # |x| max as max(-min, max): one pass, no temporary |x| copy of the tensor.
-        low, high = torch.aminmax(mean[offset:offset + n]) if n else (0.0, 0.0)
-        peak = max(-float(low), float(high))
-        peaks.append(peak if math.isfinite(peak) else math.nan)
-        offset += n
-    return peaks
-
-
 Accumulator: TypeAlias = FastAccumulator | ExactAccumulator
 
 
@@ -329,7 +388,8 @@ def make_accumulator(mode: str, grads: BucketSet, global_microbatches: int,
     needs nothing: it simply is not finite). `piece_bytes`: fast mode's pieces
     (FastAccumulator)."""
     if mode == "exact":
-        return ExactAccumulator(grads, global_microbatches, loss_scaled_buckets, loss_scale)
+        return ExactAccumulator(grads, global_microbatches, loss_scaled_buckets, loss_scale,
+                                piece_bytes)
     if mode in ("fast", ""):
         return FastAccumulator(grads, reduce_dtype or "grad", piece_bytes)
     raise ValueError(f"unknown reduce mode {mode!r} (fast, exact)")

@@ -136,3 +136,16 @@ def test_non_finite_gradient_fails_the_job_instead_of_redoing_forever(tmp_path: 
     assert summary["state"] == "failed"
     assert summary["steps_committed"] == 2
     assert summary["exact_redos"] == 3
+
+
+def test_exact_in_pieces_reduced_during_the_last_backward_under_kills(
+        tmp_path: Path, exact_reference: dict[str, Any]) -> None:
+    """Exact mode's integers reduced in pieces during the last backward (trainer/overlap.py;
+    `--overlap-piece-kb` makes this small model have some): the real gloo group starts them
+    on the reducing thread while peers die in backward and in the reduction, and the run is
+    bitwise the one that reduces after the backward. One job, two kills."""
+    summary = exact_run(tmp_path, 4, "step=1,replica=2,phase=backward",
+                        "step=3,replica=1,phase=reduce", extra=("--overlap-piece-kb", "64"))
+    assert summary["workload"]["reduce_pieces"] > 1
+    assert len(summary["failures"]) == 2
+    assert_bitwise_identical(summary, exact_reference)

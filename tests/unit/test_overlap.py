@@ -106,7 +106,7 @@ def test_a_sum_reduced_piece_by_piece_finishes_as_the_whole_one(dtype: torch.dty
 @pytest.mark.parametrize(("reduce", "after_backward", "own_backward", "ranks", "size", "bytes_"), [
     ("fast", False, False, 1, 0, PIECE_BYTES),
     ("fast", False, False, 1, 4096, 4096),        # --overlap-piece-kb 4
-    ("exact", False, False, 1, 0, 0),              # integers made after each backward
+    ("exact", False, False, 1, 0, PIECE_BYTES),    # the last microbatch's integers in pieces
     ("fast", True, False, 1, 0, 0),                # --no-overlap-reduce
     ("fast", False, True, 1, 0, 0),                # the user's forward_backward
     ("fast", False, False, 2, 0, 0),               # FSDP2 writes the shards itself
@@ -119,8 +119,14 @@ def test_which_jobs_reduce_in_pieces(reduce: str, after_backward: bool, own_back
 # ------------------------------------------------------------------ the executor
 
 
-def test_pieces_started_in_backward_learn_what_one_collective_does(whole: Run) -> None:
-    run = train(reduce="fast", piece_bytes=PIECE)
+@pytest.mark.parametrize(("reduce", "piece"), [("fast", PIECE), ("exact", PIECE * 2)])
+def test_pieces_started_in_backward_learn_what_one_collective_does(reduce: str,
+                                                                   piece: int) -> None:
+    """Exact mode too: the hooked microbatch's pieces are quantized as backward completes
+    them (`ExactAccumulator.piece_ready`) and reduced meanwhile; integer sums do not depend
+    on when a piece goes, so every step is bitwise the run that reduces after backward."""
+    whole = train(reduce=reduce)
+    run = train(reduce=reduce, piece_bytes=piece)
     assert run.controller.lost == []
     for replica in range(REPLICAS):
         assert torch.equal(final(run, replica), final(whole, 0))
@@ -128,23 +134,32 @@ def test_pieces_started_in_backward_learn_what_one_collective_does(whole: Run) -
             assert run.controller.digests[step][replica] == whole.controller.digests[step][0]
         early = run.executors[replica].early
         assert early is not None and early.started_in_backward > 0
+        assert len(run.executors[replica].accumulator.pieces) == 2
+
+
+MODES = [("fast", PIECE), ("exact", PIECE * 2)]
+"""Each mode with the piece size that makes two pieces of the test MLP (exact: float64)."""
 
 
 @pytest.mark.parametrize("phase", ["backward", "forward"])
-def test_a_replica_lost_while_the_others_reduce_early_changes_nothing(phase: str) -> None:
-    clean = train(reduce="fast", faults=(kill(1, 2, phase),))
-    run = train(reduce="fast", faults=(kill(1, 2, phase),), piece_bytes=PIECE)
+@pytest.mark.parametrize(("reduce", "piece"), MODES)
+def test_a_replica_lost_while_the_others_reduce_early_changes_nothing(
+        phase: str, reduce: str, piece: int) -> None:
+    clean = train(reduce=reduce, faults=(kill(1, 2, phase),))
+    run = train(reduce=reduce, faults=(kill(1, 2, phase),), piece_bytes=piece)
     assert run.controller.lost == clean.controller.lost == [2]
     assert run.controller.commits == clean.controller.commits
     for replica in (0, 1):
         assert torch.equal(final(run, replica), final(clean, 0))
 
 
-def test_a_replica_lost_inside_a_piece_s_collective_leaves_no_trace() -> None:
+@pytest.mark.parametrize(("reduce", "piece"), MODES)
+def test_a_replica_lost_inside_a_piece_s_collective_leaves_no_trace(reduce: str,
+                                                                     piece: int) -> None:
     # Per step: the two pieces, then the rest. Replica 1 dies in the second collective of
     # step 0, a piece started during its last backward on the reducing thread.
-    clean = train(reduce="fast", faults=(kill(0, 1, "backward"),))
-    run = train(reduce="fast", crash_in_allreduce=(1, 1), piece_bytes=PIECE)
+    clean = train(reduce=reduce, faults=(kill(0, 1, "backward"),))
+    run = train(reduce=reduce, crash_in_allreduce=(1, 1), piece_bytes=piece)
     assert run.controller.lost == [1]
     assert "died in allreduce 1" in (run.rendezvous.worlds[1].broken or "")
     for replica in (0, 2):
@@ -237,3 +252,24 @@ def test_each_piece_is_copied_once_its_backward_is_done(device: str) -> None:
     assert reduced.microbatches == 2
     assert torch.equal(reduced.grads[0], grads.buckets[0].flat / 2)
     early.close()
+
+
+# ------------------------------------------------------------------ exact mode
+
+
+def test_exact_pieces_layout_and_where_there_are_none() -> None:
+    """Float64 integers: pieces of at least `piece_bytes` from the largest bucket's end,
+    whole parameters, never its first; the rest is reduced as the two ranges around them.
+    None without a size, nor with loss scaling (its rule needs the whole microbatch)."""
+    from recover.trainer.reduction import ExactAccumulator
+
+    params = [nn.Parameter(torch.randn(n)) for n in (64, 16, 16, 1)]
+    grads = GradientBuckets(params)
+    acc = ExactAccumulator(grads, 4, piece_bytes=128)  # 16 float64 values
+    assert [p.params for p in acc.pieces] == [(2, 3), (1,)]
+    buffers = acc.new_buffers()
+    views = acc.schedule(buffers)
+    assert [v.numel() for v in views] == [17, 16, 64, 4]  # pieces, head, statistics
+    assert sum(v.numel() for v in views) == buffers[0].numel()
+    assert ExactAccumulator(grads, 4, piece_bytes=0).pieces == []
+    assert ExactAccumulator(grads, 4, loss_scaled_buckets=1, piece_bytes=128).pieces == []
