@@ -8,7 +8,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -152,9 +152,16 @@ async def _agents_then_relay_death(controller: str, relay: str, relay_pid: int,
     # (The controller answers by now: the relay registered them there.) An agent's
     # certificate may not speak for other agents at the controller itself.
     channel = aio_channel(controller, security)
-    call = rpc.RelayLinkStub(channel).Relay(iter([pb.RelayUp(relay_id="rogue")]))
+
+    async def silent() -> AsyncIterator[pb.RelayUp]:
+        # Sends nothing: the refusal comes at the call itself, and a request in flight
+        # when it does would make the client report its failed send instead (INTERNAL).
+        await asyncio.Event().wait()
+        yield pb.RelayUp()
+
+    call = rpc.RelayLinkStub(channel).Relay(silent())
     with pytest.raises(grpc.aio.AioRpcError) as refused:
-        await call.read()
+        await asyncio.wait_for(call.read(), 10)
     assert refused.value.code() is grpc.StatusCode.PERMISSION_DENIED
     assert "needs relay" in (refused.value.details() or "")
     await channel.close()

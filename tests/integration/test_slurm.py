@@ -146,7 +146,10 @@ def test_the_batch_script_trains_through_a_killed_worker(slurm: dict[str, str],
     submitted = subprocess.run(
         ["sbatch", "--parsable", "--nodes", "2",
          str(REPO / "deploy" / "slurm" / "recover.sbatch"),
-         "--replicas", "3", "--steps", "12", "-M", "6", "-B", "2", "--compute-ms", "20",
+         # Long enough after the kill (step 4) for the restarted slot's request to be
+         # answered before the end: it asks after a 0.5 s backoff (at --compute-ms 20 and 12
+         # steps the job once ended first on a fast machine, and the answer never came).
+         "--replicas", "3", "--steps", "16", "-M", "6", "-B", "2", "--compute-ms", "80",
          "--kill", "step=4,replica=1,phase=backward"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert submitted.returncode == 0, submitted.stderr
@@ -158,8 +161,8 @@ def test_the_batch_script_trains_through_a_killed_worker(slurm: dict[str, str],
     assert "the job ended succeeded" in batch_output, batch_output
     summary = json.loads((out / "summary.json").read_text())
     assert summary["state"] == "succeeded"
-    assert summary["steps_committed"] == 12
-    assert summary["microbatches_per_step"] == [6] * 12  # every step kept all M microbatches
+    assert summary["steps_committed"] == 16
+    assert summary["microbatches_per_step"] == [6] * 16  # every step kept all M microbatches
     assert [f["phase"] for f in summary["failures"]] == ["backward"]
     assert len(summary["live_replicas"]) == 3  # the waiting slot's replica joined
     logs = out / "logs"
