@@ -190,7 +190,7 @@ class Relay(rpc.AgentSessionServicer):
             if isinstance(item, pb.ControllerMessage) and item.WhichOneof("kind") == "registered":
                 # Its silence counts from here, as at the leader: until its registration is
                 # answered (seconds, in a burst of thousands) an agent has nothing to say.
-                self._heard_at.setdefault(agent_id, now)
+                self._heard_at[agent_id] = now
 
     def _beat_agents(self, leader: LeaderStream) -> None:
         """Beat the agents that heard nothing lately, while the leader is heard."""
@@ -241,8 +241,10 @@ class Relay(rpc.AgentSessionServicer):
                         item = delivery.message
                     for agent_id in delivery.agent_ids:
                         self._to_agent(agent_id, item)
-                        if item is None or isinstance(item, _Refused):
+                        if item is None or isinstance(item, _Refused):  # the leader ended it
                             self.agents.pop(agent_id, None)
+                            self._sent_at.pop(agent_id, None)
+                            self._heard_at.pop(agent_id, None)
             return "the leader ended the stream"
         except grpc.aio.AioRpcError as exc:
             return f"the leader's stream failed: {exc.details() or exc.code().name}"
