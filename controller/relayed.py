@@ -55,8 +55,8 @@ class RelayOutbox:
                                   tuple[grpc.StatusCode, str] | None]] = []
         self._scheduled = False
         self.last_sent = time.monotonic()
-        self.agents = 0
-        """Agents registered through this relay now."""
+        self.agents: dict[str, _AgentViaRelay] = {}
+        """The agents registered through this relay now, and their outboxes."""
 
     def deliver(self, agent_id: str, message: pb.ControllerMessage | None,
                 refused: tuple[grpc.StatusCode, str] | None = None) -> None:
@@ -111,7 +111,7 @@ class RelayHub(rpc.RelayLinkServicer):
 
     def counts(self) -> tuple[int, int]:
         """(relays connected, agents reached through them): for `recover status`."""
-        return len(self._relays), sum(relay.agents for relay in self._relays)
+        return len(self._relays), sum(len(relay.agents) for relay in self._relays)
 
     def _release(self) -> None:
         """We stopped leading: every relay looks for the new leader."""
@@ -136,17 +136,17 @@ class RelayHub(rpc.RelayLinkServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, await sessions.leader_hint())
             return
         relay = RelayOutbox()
-        agents: dict[str, _AgentViaRelay] = {}
+        agents = relay.agents
         name = "?"
 
         work: asyncio.Queue[pb.RelayUp | None] = asyncio.Queue()
-        vouched_at = [-math.inf]
+        vouched_at = -math.inf
 
         async def read() -> None:
             """The relay's word for its agents counts the moment it arrives: behind a burst
             of registrations (each a store write) it would come too late, and agents be lost
             for their relay's backlog. The messages are handled in order by `handle`."""
-            nonlocal name
+            nonlocal name, vouched_at
             try:
                 async for up in request_iterator:
                     if isinstance(up, Malformed):
@@ -158,8 +158,8 @@ class RelayHub(rpc.RelayLinkServicer):
                         name = up.relay_id
                         coordinator.events.emit("relay-connected", f"relay {name} carries "
                                                 "its rack's agents' sessions")
-                    if time.monotonic() - vouched_at[0] >= VOUCH_EVERY_S:
-                        vouched_at[0] = time.monotonic()
+                    if time.monotonic() - vouched_at >= VOUCH_EVERY_S:
+                        vouched_at = time.monotonic()
                         for agent_id in agents:
                             coordinator.heartbeat(agent_id)
                     if up.messages:
@@ -172,7 +172,7 @@ class RelayHub(rpc.RelayLinkServicer):
         async def handle() -> None:
             try:
                 while (up := await work.get()) is not None:
-                    await self._relayed(coordinator, relay, agents, up)
+                    await self._relayed(coordinator, relay, up)
             except LostLeadership:
                 sessions.deposed.set()
             finally:
@@ -196,9 +196,9 @@ class RelayHub(rpc.RelayLinkServicer):
                 for agent_id, outbox in agents.items()])
 
     async def _relayed(self, coordinator: Coordinator, relay: RelayOutbox,
-                       agents: dict[str, _AgentViaRelay], up: pb.RelayUp) -> None:
+                       up: pb.RelayUp) -> None:
         """One batch from a relay, in order, each message as its agent's session would have it."""
-        sessions = self.sessions
+        sessions, agents = self.sessions, relay.agents
         ended: list[tuple[str, Any, str]] = []  # closed in a row: lost in one generation
         for relayed in up.messages:
             agent_id = relayed.agent_id
@@ -206,7 +206,6 @@ class RelayHub(rpc.RelayLinkServicer):
             if relayed.closed:
                 if outbox is not None:
                     del agents[agent_id]
-                    relay.agents = len(agents)
                     ended.append((agent_id, outbox, relayed.reason or "session closed"))
                 continue
             await sessions.sessions_over(coordinator, ended)
@@ -229,5 +228,4 @@ class RelayHub(rpc.RelayLinkServicer):
                 relay.deliver(agent_id, None, refusal)
             else:
                 agents[agent_id] = outbox
-            relay.agents = len(agents)
         await sessions.sessions_over(coordinator, ended)

@@ -38,6 +38,16 @@ class ExactBucket:
         """The exponent each tensor's range of `scale` holds (None: not filled yet)."""
 
 
+def add_range(part: ExactBucket, start: int, end: int) -> None:
+    """Round `part`'s scaled gradient in [start, end) and add it to its sum."""
+    rounded = part.scaled[start:end].round_()
+    if part.wide is None:
+        part.sum[start:end].add_(rounded)
+    else:
+        # Widen first: an in-place float64 += float32 takes a slow mixed-type path (5x).
+        part.sum[start:end].add_(part.wide[start:end].copy_(rounded))
+
+
 def exact_pieces(parts: list[ExactBucket], piece_bytes: int) -> list[Piece]:
     """The exact sum's pieces: the end of its largest non-integer bucket, cut at parameter
     boundaries into ranges of at least `piece_bytes` of float64, the last parameters first;

@@ -40,7 +40,7 @@ from typing import Any, TypeAlias
 
 import torch
 
-from recover.trainer.exactparts import ExactBucket, exact_pieces, peaks
+from recover.trainer.exactparts import ExactBucket, add_range, exact_pieces, peaks
 from recover.trainer.fastreduce import REDUCE_DTYPES, FastAccumulator, Piece, Reduced
 from recover.trainer.gradients import BucketSet
 
@@ -110,6 +110,9 @@ class ExactAccumulator:
         them (`piece_ready`), the rest by `after_microbatch`."""
         self._pieces_done: set[int] = set()
         self._piece_misfit = False
+        self._cut = {self._parts[p.bucket]: min(q.bucket_start for q in self.pieces
+                                                if q.bucket == p.bucket) for p in self.pieces}
+        """The split bucket -> where its pieces begin: a deferred microbatch adds its head."""
 
     def _exponent(self, mean_abs_max: float) -> int:
         bound = max(mean_abs_max, 1e-30) * self.global_microbatches * 2.0 ** HEADROOM_BITS
@@ -174,17 +177,10 @@ class ExactAccumulator:
         self._pieces_done.add(index)
         piece = self.pieces[index]
         part = self._parts[piece.bucket]
-        a, b = piece.bucket_start, piece.bucket_end
-        scaled = torch.mul(part.bucket.flat[a:b], part.scale[a:b], out=part.scaled[a:b])
-        low, high = torch.aminmax(scaled)
-        if not (-self._limit < float(low) and float(high) < self._limit):
-            self._piece_misfit = True
-            return
-        rounded = part.scaled[a:b].round_()
-        if part.wide is None:
-            part.sum[a:b].add_(rounded)
+        if self._scaled_fits(part, piece.bucket_start, piece.bucket_end):
+            add_range(part, piece.bucket_start, piece.bucket_end)
         else:
-            part.sum[a:b].add_(part.wide[a:b].copy_(rounded))
+            self._piece_misfit = True
 
     def after_microbatch(self, loss: float) -> None:
         if self._deferred:
@@ -219,11 +215,9 @@ class ExactAccumulator:
         for index in range(len(self.pieces)):
             self.piece_ready(index)
         loss_fits = abs(loss) < self._loss_limit
-        cut = {self._parts[p.bucket]: min(q.bucket_start for q in self.pieces
-                                          if q.bucket == p.bucket) for p in self.pieces}
-        fits = loss_fits and not self._piece_misfit and self._misfit(0, cut) is None
+        fits = loss_fits and not self._piece_misfit and self._misfit(0, self._cut) is None
         if fits:
-            self._add(self._parts, cut)
+            self._add(self._parts, self._cut)
         else:
             self.overflow += 1
         if loss_fits:
@@ -238,9 +232,7 @@ class ExactAccumulator:
             part = self._parts[index]
             n = (cut or {}).get(part)
             if n is not None:  # a bucket whose end went in pieces: its head only
-                scaled = torch.mul(part.bucket.flat[:n], part.scale[:n], out=part.scaled[:n])
-                low, high = torch.aminmax(scaled)
-                if not (-self._limit < float(low) and float(high) < self._limit):
+                if not self._scaled_fits(part, 0, n):
                     return index
                 continue
             if part.peak_list:
@@ -257,19 +249,20 @@ class ExactAccumulator:
                 return index
         return None
 
+    def _scaled_fits(self, part: ExactBucket, start: int, end: int) -> bool:
+        """Scale `part`'s gradient in [start, end) into its `scaled` buffer; does it fit?"""
+        scaled = torch.mul(part.bucket.flat[start:end], part.scale[start:end],
+                           out=part.scaled[start:end])
+        low, high = torch.aminmax(scaled)
+        return -self._limit < float(low) and float(high) < self._limit  # NaN fails too
+
     @staticmethod
     def _add(parts: list[ExactBucket], cut: dict[ExactBucket, int] | None = None) -> None:
         for part in parts:
             if part.integer:
                 part.sum.add_(part.bucket.flat)  # whole numbers: nothing to round
                 continue
-            n = (cut or {}).get(part, part.bucket.numel)
-            rounded = part.scaled[:n].round_()
-            if part.wide is None:
-                part.sum[:n].add_(rounded)
-            else:
-                # Widen first: an in-place float64 += float32 takes a slow mixed-type path (5x).
-                part.sum[:n].add_(part.wide[:n].copy_(rounded))
+            add_range(part, 0, (cut or {}).get(part, part.bucket.numel))
 
     def buffers(self) -> list[torch.Tensor]:
         self._stats.copy_(torch.tensor(
@@ -298,7 +291,7 @@ class ExactAccumulator:
                 out[group][start:end].copy_(buffer[start:end])
 
     def _rest(self, group: int, size: int) -> list[tuple[int, int]]:
-        """The ranges of buffer `group` outside the pieces, in order."""
+        """The ranges of buffer `group` outside the pieces (one run of them), in order."""
         spans = sorted((p.start, p.end) for p in self.pieces if p.group == group)
         if not spans:
             return [(0, size)]
