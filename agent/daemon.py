@@ -11,10 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from functools import partial
 from pathlib import Path
 
@@ -29,16 +28,21 @@ from recover.agent.local import WorkerChannelService
 from recover.agent.metrics import serve_metrics
 from recover.agent.replays import ReportReplays
 from recover.agent.restarts import decide_restart, recent_restarts
-from recover.agent.warmstart import WarmStarter, decide_warm_start
+from recover.agent.warmstart import WarmStarter, settle_warm
 from recover.agent.watchdog import watch_for_hangs
 from recover.agent.workers import (
+    ReplicaPart,
     WorkerProcess,
     base_environment,
     every_process,
+    listen_for_replica_store,
     lose_replica,
     resolve_command,
     spawn_replica,
+    spawned,
+    stop_replica,
     stop_workers,
+    waiting_note,
 )
 from recover.common.netaddr import local_address_towards
 from recover.proto import pb, rpc
@@ -46,12 +50,6 @@ from recover.proto import pb, rpc
 log = logging.getLogger("recover.agent")
 RETRY_REQUEST_S = 1.0
 """Pause before asking again for a replica the controller could not grant yet (a takeover)."""
-GENERATIONAL = ("generation", "commit", "share", "release")
-"""Commands of one generation (fenced against an older one)."""
-ADDRESSED: dict[str, Callable[[pb.ControllerMessage], int]] = {
-    "donate": lambda m: m.donate.donor, "join": lambda m: m.join.joiner,
-    "share": lambda m: m.share.replica, "release": lambda m: m.release.replica}
-"""Commands for one replica's worker, and which replica."""
 
 
 class Agent:
@@ -82,6 +80,8 @@ class Agent:
         self._warm: WarmStarter | None = None
         self._starting: set[int] = set()
         """Replicas whose worker is being started (the warm interpreter may still import)."""
+        self._store_socket: socket.socket | None = None
+        """Where rank 0 of a replica spanning agents serves its store, if it is here."""
 
     def relay(self, report: pb.WorkerReport) -> None:
         self._replays.note(report)
@@ -96,7 +96,8 @@ class Agent:
                       | self._starting)
         return pb.AgentMessage(register=pb.RegisterAgent(
             agent_id=cfg.agent_id, host=socket.gethostname(), slots=cfg.slots, resume=resume,
-            replica_ids=live if resume else [], term=self.term, generation=self.generation))
+            replica_ids=live if resume else [], term=self.term, generation=self.generation,
+            replica_store_port=self._store_socket.getsockname()[1] if self._store_socket else 0))
 
     async def _connect(self, resume: bool, lost: str | None = None) -> Session:
         cfg = self.config
@@ -124,6 +125,7 @@ class Agent:
         if cfg.metrics_port is not None:
             self.metrics_port = serve_metrics(self, cfg.metrics_host, cfg.metrics_port,
                                               cfg.metrics_port_file)
+        self._store_socket = listen_for_replica_store(cfg.controllers)
         await self._start_warm()  # its imports (seconds) run while we connect
         try:
             session = await self._connect(resume=False)
@@ -144,6 +146,8 @@ class Agent:
                 self._tasks += [asyncio.create_task(beats),
                                 asyncio.create_task(watch_for_hangs(self.workers, registered.job))]
                 ranks = max(registered.job.ranks_per_replica, 1)
+                if ranks <= cfg.slots and self._store_socket is not None:
+                    self._forget_store_socket()  # no replica spans agents here
                 # Started in the background: the first start may wait seconds for the warm
                 # interpreter, and meanwhile the session must be read (a leader lost during
                 # the start is noticed, and the next one joined, at once).
@@ -151,10 +155,8 @@ class Agent:
                 self._tasks.append(asyncio.create_task(self._spawn_all(
                     [(index * ranks, replica)
                      for index, replica in enumerate(registered.replica_ids)])))
-                if len(registered.replica_ids) * ranks < cfg.slots:
-                    log.info("slots %d-%d wait for room in the job (it has its replicas); "
-                             "the controller assigns them replicas when it has room",
-                             len(registered.replica_ids) * ranks, cfg.slots - 1)
+                if (note := waiting_note(cfg.slots, ranks, len(registered.replica_ids))):
+                    log.info("%s", note)
                 while not await self._pump(session):
                     # The leader is gone (or stood down): the workers keep going
                     # while we find the new one and rejoin it.
@@ -173,6 +175,8 @@ class Agent:
                 if server is not None:
                     await server.stop(grace=0.2)
                 await close_session(session)
+                if self._store_socket is not None:
+                    self._store_socket.close()
         assert self._shutdown is not None
         log.info("job ended: %s", self._shutdown.reason)
         return 0 if self._shutdown.success else 1
@@ -211,25 +215,24 @@ class Agent:
         worker's start. Whether the job's command can use it is decided once registered."""
         if self.config.attach_pid is not None or not self.config.warm_start:
             return
-        log_path = None
-        if self.config.log_dir:
-            log_path = Path(self.config.log_dir) / f"warm-{self.config.agent_id}.log"
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._warm = WarmStarter(base_environment(), log_path)
-        await self._warm.start()
+        self._warm = WarmStarter.for_agent(base_environment(), self.config.log_dir,
+                                           self.config.agent_id)
+        await self._warm.start(() if self._store_socket is None
+                               else (self._store_socket.fileno(),))
 
     async def _decide_warm(self) -> None:
         """Fork the job's workers from the warm interpreter if its command allows (else end
         the interpreter: the workers start cold)."""
-        if self.config.attach_pid is not None:
-            return
-        decision = decide_warm_start(resolve_command(self._worker_command()), sys.executable,
-                                     self.config.warm_start)
-        log.info("%s", decision.reason)
-        if decision.target is None:
-            await self._close_warm()
-        elif self._warm is not None:
-            self._warm.target = decision.target
+        if self.config.attach_pid is None:
+            self._warm = await settle_warm(self._warm, resolve_command(self._worker_command()),
+                                           self.config.warm_start)
+
+    def _forget_store_socket(self) -> None:
+        assert self._store_socket is not None
+        if self._warm is not None:
+            self._warm.forget(self._store_socket.fileno())
+        self._store_socket.close()
+        self._store_socket = None
 
     async def _close_warm(self) -> None:
         if self._warm is not None:
@@ -241,24 +244,30 @@ class Agent:
         for slot, replica in slots:
             await self._spawn(slot, replica)
 
-    async def _spawn(self, slot: int, replica: int) -> None:
+    async def _spawn(self, slot: int, replica: int,
+                     assigned: pb.ReplicaAssigned | None = None) -> None:
         """Start the worker of `replica` on `slot` and watch it."""
         self._starting.add(replica)
         try:
-            await self._start_replica(slot, replica)
+            await self._start_replica(slot, replica, assigned or pb.ReplicaAssigned())
         finally:
             self._starting.discard(replica)
 
-    async def _start_replica(self, slot: int, replica: int) -> None:
+    async def _start_replica(self, slot: int, replica: int, assigned: pb.ReplicaAssigned
+                             ) -> None:
         log_dir = Path(self.config.log_dir) if self.config.log_dir else None
         command = self._worker_command()
         if self.config.attach_pid is not None:
             self._adopt(slot, replica, self.config.attach_pid)
             return
-        ranks = max(self._job.ranks_per_replica, 1)
+        part = ReplicaPart(  # the part of a replica spanning agents that this agent holds
+            ranks=max(self._job.ranks_per_replica, 1), first_rank=assigned.first_rank,
+            here=self.config.slots if assigned.replica_store else 0,
+            store=assigned.replica_store,
+            store_fd=self._store_socket.fileno() if self._store_socket else None)
         try:
             worker = await spawn_replica(
-                command, replica=replica, slot=slot, ranks=ranks, run_dir=self._run_dir,
+                command, replica=replica, slot=slot, part=part, run_dir=self._run_dir,
                 on_leader=partial(self.workers.__setitem__, replica),
                 agent_id=self.config.agent_id, agent_address=self._channel_address,
                 job_id=self._job.job_id, log_dir=log_dir, transfer_host=self._transfer_host,
@@ -276,10 +285,7 @@ class Agent:
             return
         for process in worker.ranks:
             self._tasks.append(asyncio.create_task(self._watch(process, worker)))
-        log.info("spawned worker pid%s %s on slot%s %s%s", "s" if ranks > 1 else "",
-                 ", ".join(str(p.pid) for p in worker.ranks), "s" if ranks > 1 else "",
-                 f"{slot}..{slot + ranks - 1}" if ranks > 1 else slot,
-                 " (forked warm)" if worker.warm else "", extra={"replica": replica})
+        log.info("%s", spawned(worker, part), extra={"replica": replica})
 
     def _adopt(self, slot: int, replica: int, pid: int) -> None:
         """The attached process becomes this slot's worker; it learns so from the attach file."""
@@ -333,7 +339,7 @@ class Agent:
     def _handle(self, message: pb.ControllerMessage) -> bool:
         """Forward one controller message to the workers; True when the job is over."""
         kind = message.WhichOneof("kind") or ""
-        generation = getattr(message, kind).generation if kind in GENERATIONAL else 0
+        generation = getattr(message, kind).generation if kind in fencing.GENERATIONAL else 0
         verdict = fencing.judge(kind, message.term, generation, self.term, self.generation)
         if not verdict.accept:
             self.fenced_commands += 1
@@ -356,9 +362,9 @@ class Agent:
             for process in every_process(self.workers):
                 process.commands.put_nowait(pb.WorkerCommand(shutdown=message.shutdown))
             return True
-        elif kind in ADDRESSED:
+        elif kind in fencing.ADDRESSED:
             self._forward(pb.WorkerCommand(**{kind: getattr(message, kind)}),
-                          [ADDRESSED[kind](message)])
+                          [fencing.ADDRESSED[kind](message)])
         elif kind == "replica_assigned":
             assigned = message.replica_assigned
             if assigned.refused and assigned.retryable:
@@ -371,15 +377,11 @@ class Agent:
             elif assigned.refused:
                 log.warning("slot %d stays empty: %s", assigned.slot, assigned.refused)
             else:
-                self._tasks.append(asyncio.create_task(self._spawn(assigned.slot,
-                                                                   assigned.replica)))
+                self._tasks.append(asyncio.create_task(self._spawn(
+                    assigned.slot, assigned.replica, assigned)))
         elif kind == "stop_replica":
-            worker = self.workers.get(message.stop_replica.replica)
-            for process in worker.ranks if worker is not None else []:
-                if process.process.returncode is None:
-                    process.killed_by_agent = ("stopped by the controller: "
-                                               f"{message.stop_replica.reason}")
-                    process.kill()
+            stop_replica(self.workers.get(message.stop_replica.replica),
+                         f"stopped by the controller: {message.stop_replica.reason}")
         return False
 
     async def _request_replica(self, slot: int, reason: str, delay_s: float) -> None:

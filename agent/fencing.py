@@ -7,7 +7,17 @@ would take the agent back to an older membership view.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from recover.proto import pb
+
+GENERATIONAL = ("generation", "commit", "share", "release")
+"""Commands of one generation (fenced against an older one)."""
+ADDRESSED: dict[str, Callable[[pb.ControllerMessage], int]] = {
+    "donate": lambda m: m.donate.donor, "join": lambda m: m.join.joiner,
+    "share": lambda m: m.share.replica, "release": lambda m: m.release.replica}
+"""Commands for one replica's worker, and which replica (on every agent holding its ranks)."""
 
 
 @dataclass(frozen=True)

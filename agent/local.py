@@ -47,7 +47,9 @@ class WorkerChannelService(rpc.WorkerChannelServicer):
         except ValueError:
             return None
         worker = self._workers.get(replica)
-        return worker.ranks[rank] if worker is not None and 0 <= rank < len(worker.ranks) else None
+        # By rank, not position: an agent holding part of a replica spanning agents runs
+        # its ranks from that part's first.
+        return next((p for p in worker.ranks if p.rank == rank), None) if worker else None
 
     async def _registered(self, context: grpc.aio.ServicerContext) -> WorkerProcess | None:
         """The attaching worker, once the agent has registered it (ATTACH_WAIT_S at most)."""

@@ -100,8 +100,17 @@ class WarmStarter:
         self._next = 0
         self._closing = False
 
-    async def start(self) -> None:
-        """Start the zygote; it imports in the background while the agent goes on."""
+    @classmethod
+    def for_agent(cls, env: dict[str, str], log_dir: str | None, agent_id: str) -> WarmStarter:
+        """The agent's warm interpreter, logging beside its workers (if they log)."""
+        log_path = Path(log_dir) / f"warm-{agent_id}.log" if log_dir else None
+        if log_path is not None:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+        return cls(env, log_path)
+
+    async def start(self, inherit: tuple[int, ...] = ()) -> None:
+        """Start the zygote; it imports in the background while the agent goes on. Its
+        workers inherit the descriptors in `inherit` (with their numbers)."""
         ours, theirs = socket.socketpair()
         try:
             # Its own session: a Ctrl-C meant for the agent must not kill every worker at once.
@@ -110,7 +119,7 @@ class WarmStarter:
                 "--agent-pid", str(os.getpid()),
                 *(["--log", str(self._log_path)] if self._log_path is not None else []),
                 *(["--preload", ",".join(self._preload)] if self._preload is not None else []),
-                pass_fds=(theirs.fileno(),), env=self._env, stdin=asyncio.subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(), *inherit), env=self._env, stdin=asyncio.subprocess.DEVNULL,
                 start_new_session=True)
         except OSError as exc:
             ours.close()
@@ -143,6 +152,13 @@ class WarmStarter:
             self._give_up(f"the warm interpreter is gone ({exc})")
             return None
         return await waiting
+
+    def forget(self, fd: int) -> None:
+        """The zygote closes its copy of a descriptor it inherited (`start`): the job turned
+        out not to need it, and no worker it forks from now on holds it."""
+        if self._writer is not None and not self.broken:
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                self._writer.write(json.dumps({"close": fd}).encode() + b"\n")
 
     def _give_up(self, reason: str) -> None:
         if not self.broken:
@@ -208,3 +224,18 @@ class WarmStarter:
         if self._reader_task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader_task
+
+
+async def settle_warm(warm: WarmStarter | None, command: list[str], enabled: bool
+                      ) -> WarmStarter | None:
+    """Once the job's command is known: the warm interpreter its workers fork from, or None
+    (it is closed: they start cold), saying why."""
+    decision = decide_warm_start(command, sys.executable, enabled)
+    log.info("%s", decision.reason)
+    if decision.target is None:
+        if warm is not None:
+            await warm.close()
+        return None
+    if warm is not None:
+        warm.target = decision.target
+    return warm

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from typing import IO
 from recover.agent.attached import AttachedProcess
 from recover.agent.warmstart import ForkedProcess, WarmStarter
 from recover.common import progress
+from recover.common.netaddr import local_address_towards
 from recover.proto import pb
 
 log = logging.getLogger("recover.agent")
@@ -142,11 +144,13 @@ async def spawn_worker(
     warm: WarmStarter | None = None,
     rank: int = 0,
     ranks: int = 1,
-    replica_store: Path | None = None,
+    replica_store: str = "",
+    store_fd: int | None = None,
 ) -> WorkerProcess:
     """Start one worker with its identity in RECOVER_* variables (like torchrun's RANK):
     forked from the warm interpreter when there is one, else as a fresh process. A rank of a
-    replica of several also gets its rank and the file its replica's group meets on."""
+    replica of several also gets its rank and where its replica's group meets; the one that
+    serves a spanning replica's store gets the agent's listening socket (`store_fd`)."""
     env = base_environment()
     env.update({
         "RECOVER_REPLICA_ID": str(replica),
@@ -164,9 +168,12 @@ async def spawn_worker(
         "RECOVER_RANK_IN_REPLICA": str(rank),
         "RECOVER_RANKS_PER_REPLICA": str(ranks),
     })
-    if replica_store is not None:
-        # A FileStore: the replica's ranks share this host, and a file needs no port.
-        env["RECOVER_REPLICA_STORE"] = str(replica_store)
+    if replica_store:
+        # A file (FileStore) when the replica's ranks share this host: it needs no port; else
+        # tcp://HOST:PORT, served by rank 0 on the listening socket its agent holds.
+        env["RECOVER_REPLICA_STORE"] = replica_store
+    if store_fd is not None:
+        env["RECOVER_REPLICA_STORE_FD"] = str(store_fd)
     if progress_path is not None:
         progress.create(progress_path)
         env["RECOVER_PROGRESS_FILE"] = str(progress_path)
@@ -184,7 +191,8 @@ async def spawn_worker(
     # the worker command started.
     process = await asyncio.create_subprocess_exec(
         *resolve_command(command), env=env, stdin=asyncio.subprocess.DEVNULL,
-        stdout=log_file, stderr=log_file, start_new_session=True)
+        stdout=log_file, stderr=log_file, start_new_session=True,
+        pass_fds=() if store_fd is None else (store_fd,))
     return WorkerProcess(replica, slot, process, log_file, progress_path=progress_path,
                          log_path=log_path, rank=rank)
 
@@ -228,22 +236,80 @@ async def stop_workers(workers: list[WorkerProcess], grace_s: float) -> None:
             worker.log_file.close()
 
 
-async def spawn_replica(command: list[str], *, replica: int, slot: int, ranks: int,
+def listen_for_replica_store(controllers: list[str]) -> socket.socket | None:
+    """The socket a spanning replica's rank 0 serves the replica's store on, if this agent
+    holds it: bound before any worker starts (they inherit it, the warm interpreter too),
+    so its port is known when the agent registers and the other agents' ranks can connect
+    before rank 0 runs (their connections wait in its backlog, not on a timer). On the
+    address this host reaches the controller from, where the controller sees it."""
+    host, _, port = controllers[0].rpartition(":") if controllers else ("", "", "")
+    address = local_address_towards(host.strip("[]"), int(port)) if port.isdigit() else None
+    try:
+        listener = socket.create_server((address or "0.0.0.0", 0), backlog=128)
+    except OSError as exc:
+        log.warning("no socket for a spanning replica's store: %s", exc.strerror)
+        return None
+    return listener
+
+
+@dataclass(frozen=True)
+class ReplicaPart:
+    """Which of a replica's ranks this agent runs: all of them, or its part of a replica
+    spanning agents."""
+
+    ranks: int
+    """The replica's ranks, on every agent together."""
+    first_rank: int = 0
+    here: int = 0
+    """How many of them this agent runs, from `first_rank` (0: all)."""
+    store: str = ""
+    """HOST:PORT of the spanning replica's store (empty: a file here)."""
+    store_fd: int | None = None
+    """This agent's listening socket, for the rank 0 that serves that store."""
+
+
+def spawned(worker: WorkerProcess, part: ReplicaPart) -> str:
+    """What the agent logs once it started a replica's processes here."""
+    ranks = worker.ranks
+    many = "s" if len(ranks) > 1 else ""
+    slots = f"{worker.slot}..{worker.slot + len(ranks) - 1}" if many else str(worker.slot)
+    spanning = (f" (ranks {part.first_rank}..{part.first_rank + len(ranks) - 1} of "
+                f"{part.ranks}, meeting at {part.store})" if part.store else "")
+    return (f"spawned worker pid{many} {', '.join(str(p.pid) for p in ranks)} on slot{many} "
+            f"{slots}{spanning}{' (forked warm)' if worker.warm else ''}")
+
+
+def waiting_note(slots: int, ranks: int, replicas: int) -> str | None:
+    """Why some of a newly registered agent's slots have no replica yet, if they have none."""
+    if ranks > slots:
+        return (f"the {slots} slots hold part of a replica of {ranks} ranks spanning agents; "
+                "the controller forms it when its other agents are here")
+    if replicas * ranks < slots:
+        return (f"slots {replicas * ranks}-{slots - 1} wait for room in the job (it has its "
+                "replicas); the controller assigns them replicas when it has room")
+    return None
+
+
+async def spawn_replica(command: list[str], *, replica: int, slot: int, part: ReplicaPart,
                         run_dir: Path, on_leader: Callable[[WorkerProcess], None],
                         **common: object) -> WorkerProcess:
-    """Start the `ranks` processes of one replica on slots slot .. slot+ranks-1; returns
-    rank 0 with the others as its siblings. `on_leader` gets rank 0 as soon as it runs, and
-    each later rank joins its siblings as soon as it runs: a rank may attach to the agent's
-    channel while the next one is still being started. If one cannot start, those started
-    are killed and the OSError raised: a replica runs whole or not at all."""
-    store = run_dir / f"replica-{replica}.store" if ranks > 1 else None
+    """Start this agent's processes of one replica on slots slot, slot+1, ...; returns the
+    first with the others as its siblings. `on_leader` gets the first as soon as it runs,
+    and each later rank joins its siblings as soon as it runs: a rank may attach to the
+    agent's channel while the next one is still being started. If one cannot start, those
+    started are killed and the OSError raised: a replica runs whole or not at all."""
+    ranks, here = part.ranks, part.here or part.ranks
+    store = f"tcp://{part.store}" if part.store else \
+        str(run_dir / f"replica-{replica}.store") if ranks > 1 else ""
     leader: WorkerProcess | None = None
     try:
-        for rank in range(ranks):
+        for index in range(here):
+            rank = part.first_rank + index
             suffix = "" if rank == 0 else f"-{rank}"
             worker = await spawn_worker(
-                command, replica=replica, slot=slot + rank, rank=rank, ranks=ranks,
+                command, replica=replica, slot=slot + index, rank=rank, ranks=ranks,
                 replica_store=store, progress_path=run_dir / f"progress-{replica}{suffix}.bin",
+                store_fd=part.store_fd if rank == 0 and part.store else None,
                 **common)  # type: ignore[arg-type]
             if leader is None:
                 leader = worker
@@ -256,6 +322,15 @@ async def spawn_replica(command: list[str], *, replica: int, slot: int, ranks: i
         raise
     assert leader is not None
     return leader
+
+
+def stop_replica(worker: WorkerProcess | None, why: str) -> None:
+    """Kill this agent's processes of a replica (all of its ranks here), saying why."""
+    for process in worker.ranks if worker is not None else []:
+        if process.process.returncode is None:
+            process.killed_by_agent = why
+            log.warning("rank %d %s", process.rank, why, extra={"replica": worker.replica})
+            process.kill()
 
 
 def lose_replica(worker: WorkerProcess, exited: WorkerProcess, returncode: int

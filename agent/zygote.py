@@ -14,6 +14,7 @@ signal) and its children die with it, so nothing outlives a lost host.
 
 Protocol, one JSON object per line over the socket inherited as `--control-fd`:
   agent -> zygote  {"spawn": N, "target": [...], "env": {...}, "cwd": "...", "log": PATH|null}
+                   {"close": FD}       (an inherited descriptor the job does not need)
   zygote -> agent  {"ready": true} | {"refused": REASON}         once, after the imports
                    {"spawned": N, "pid": PID} | {"spawned": N, "error": REASON}
                    {"exited": PID, "returncode": RC}    (negative: killed by that signal)
@@ -122,7 +123,12 @@ def serve(control: socket.socket) -> WorkerSpec:
             pending += data
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
-                spec = _fork(json.loads(line), control, children)
+                request = json.loads(line)
+                if "close" in request:
+                    with contextlib.suppress(OSError):
+                        os.close(int(request["close"]))
+                    continue
+                spec = _fork(request, control, children)
                 if spec is not None:
                     return spec
 

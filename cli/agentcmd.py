@@ -32,7 +32,10 @@ def add_parser(sub: Any) -> None:
     agent.add_argument("--controller", required=True,
                        help="HOST:PORT of the controller, or HOST:PORT,HOST:PORT,... of every "
                             "controller of the job (the agent follows the leader)")
-    agent.add_argument("--slots", type=int, default=1, help="worker slots on this host")
+    agent.add_argument("--slots", type=int, default=1,
+                       help="worker slots on this host (a multiple of the job's "
+                            "--ranks-per-replica, or a divisor of it: then each replica spans "
+                            "agents of this size)")
     agent.add_argument("--agent-id", default=None, help="unique name (default: host + random)")
     agent.add_argument("--log-dir", default=None, help="write worker output to LOG_DIR/replica-N.log")
     agent.add_argument("--metrics-port", type=int, default=None,

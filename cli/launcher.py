@@ -56,6 +56,20 @@ def split_slots(replicas: int, agents: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(agents)]
 
 
+def slots_per_agent(agents: int, replicas: int, ranks: int) -> list[int]:
+    """Each local agent's slots: whole replicas spread over the agents, or, with more agents
+    than replicas, each replica spanning the same number of agents (an equal part of its
+    ranks on each). UsageError for a layout that is neither."""
+    if 1 <= agents <= replicas:
+        return [count * ranks for count in split_slots(replicas, agents)]
+    span = agents // replicas if agents > replicas else 0
+    if span < 2 or agents % replicas or ranks % span:
+        raise UsageError(f"--agents {agents}: give 1 to {replicas} (whole replicas on each), or "
+                         f"a multiple of the replicas and spares ({replicas}) whose share of "
+                         f"each replica divides its {ranks} ranks (a replica spanning agents)")
+    return [ranks // span] * agents
+
+
 class LocalJob:
     def __init__(self, out: Path) -> None:
         self.out = out
@@ -196,8 +210,8 @@ def run_local(args: argparse.Namespace) -> int:
                              "process (RECOVER_ARGS cannot ask for more replicas, ranks, spares "
                              "or agents)")
         agents = 1
-    if not 1 <= agents <= job_config.replicas:
-        raise UsageError(f"--agents must be between 1 and --replicas ({job_config.replicas})")
+    agent_slots = slots_per_agent(agents, job_config.replicas + job_config.spares,
+                                  max(job_config.ranks_per_replica, 1))
     if not 0 <= args.relays <= agents:
         raise UsageError(f"recover run: --relays must be between 0 and the agents ({agents}), "
                          f"got {args.relays}")
@@ -238,13 +252,11 @@ def run_local(args: argparse.Namespace) -> int:
                      for i, f in enumerate(port_files)]
         address = ",".join(addresses)
         relays = _start_relays(job, args.relays, address, tls)
-        slots_wanted = job_config.replicas + job_config.spares
-        ranks = max(job_config.ranks_per_replica, 1)  # a replica's ranks share an agent
-        for index, replicas in enumerate(split_slots(slots_wanted, agents)):
+        for index, slots in enumerate(agent_slots):
             job.start(f"agent-{index}", [
                 python, "-m", "recover.cli.main", "agent",
                 "--controller", relays[index % len(relays)] if relays else address,
-                "--slots", str(replicas * ranks), "--agent-id", f"host{index}", "--log-dir", str(job.logs),
+                "--slots", str(slots), "--agent-id", f"host{index}", "--log-dir", str(job.logs),
                 "--max-restarts", str(args.max_restarts),
                 "--restart-window", str(args.restart_window),
                 *(["--cold-start"] if args.cold_start else []),

@@ -70,7 +70,9 @@ def build_parser() -> Parser:
     run = sub.add_parser("run", help="train locally: controller, agents and workers on this machine")
     add_job_arguments(run)
     run.add_argument("--agents", type=int, default=None,
-                     help="agents (emulated hosts) to spread the replicas over (default: 2)")
+                     help="agents (emulated hosts) to spread the replicas over (default: 2); "
+                          "more agents than replicas: each replica spans agents/replicas of "
+                          "them (--ranks-per-replica divided evenly over them)")
     run.add_argument("--out", default="runs/latest", help="where summary.json and logs go")
     run.add_argument("--quiet", action="store_true", help="no live progress display")
     run.add_argument("--no-plot", action="store_true",

@@ -9,6 +9,10 @@ Slots beyond it are not refused, as a cluster delivers hosts with more slots tha
 job still needs and replacements staged ahead: they are registered and *wait*, and
 the controller gives them replicas, in order, when the job has room again
 (`waiting_slots`).
+A replica of more ranks than an agent has slots spans agents (`spans`): each agent of it
+holds the same number of its ranks, the first one rank 0 and the store its ranks meet on.
+Such an agent's slots wait until enough agents of its size wait too (`fill_waiting` forms
+the replica from them, in the order they came) and the job has room.
 Replicas that arrive after the start join with live state transfer
 (joins.py). During a leader takeover only the agents the previous leader knew
 may come back (takeover.py).
@@ -65,17 +69,25 @@ def admit_agent(agent_id: str, host: str, slots: int, *, job_id: str, job_state:
                 taking_over: bool, known_agents: Collection[str], capacity: Capacity,
                 ranks_per_replica: int = 1) -> Admission:
     """A new agent's slots: fresh replica ids, as many as the job has room for, one per
-    `ranks_per_replica` slots (a replica's ranks live on one agent); the slots beyond
-    that wait for room."""
+    `ranks_per_replica` slots; the slots beyond that wait for room. An agent with fewer
+    slots than a replica has ranks holds part of one (`spans`): it waits for the others."""
     closed = _closed(job_id, job_state, taking_over)
     if closed is not None:
         return Admission((), closed)
     if agent_id in known_agents:
         return Admission((), f"agent id {agent_id!r} is already registered")
     ranks = max(ranks_per_replica, 1)
+    if slots < 1:
+        return Admission((), f"an agent needs at least one slot, got {slots}")
+    if slots < ranks and ranks % slots:
+        return Admission((), f"{slots} slots do not hold a whole part of a replica of {ranks} "
+                             "ranks (--ranks-per-replica): a replica spanning agents has the "
+                             "same number of ranks on each, so give a divisor of it")
     if slots < ranks:
-        least = "one slot" if ranks == 1 else f"{ranks} slots (a replica's ranks)"
-        return Admission((), f"an agent needs at least {least}, got {slots}")
+        return Admission((), f"agent {agent_id} on {host}: its {slots} slot"
+                             f"{'s hold' if slots > 1 else ' holds'} part of a replica of "
+                             f"{ranks} ranks spanning {ranks // slots} agents; it waits for "
+                             "the others", waiting_slots=(0,))
     if slots % ranks:
         return Admission((), f"{slots} slots do not hold whole replicas of {ranks} ranks "
                              "(--ranks-per-replica): give a multiple of it")
@@ -91,33 +103,72 @@ def admit_agent(agent_id: str, host: str, slots: int, *, job_id: str, job_state:
     return Admission(ids, f"agent {agent_id} on {host}: {given}{wait}", waiting)
 
 
+def spans(slots: int, ranks_per_replica: int) -> int:
+    """How many agents of `slots` slots a replica spans: 1 when its ranks fit on one."""
+    ranks = max(ranks_per_replica, 1)
+    return ranks // slots if 0 < slots < ranks and ranks % slots == 0 else 1
+
+
 @dataclass(frozen=True)
 class SlotFilled:
     agent_id: str
     slot: int
     replica: int
     reason: str
+    satellites: tuple[str, ...] = ()
+    """A replica spanning agents: its other agents, in rank order (`agent_id` holds rank 0)."""
 
 
-def fill_waiting(waiting: Sequence[tuple[str, int]], capacity: Capacity, why: str
+@dataclass(frozen=True)
+class WaitingSlot:
+    agent_id: str
+    slot: int
+    span: int = 1
+    """How many agents its replica spans (`spans`): that many waiting agents of its size form
+    one."""
+
+
+def fill_waiting(waiting: Sequence[WaitingSlot], capacity: Capacity, why: str
                  ) -> list[SlotFilled]:
-    """Which waiting slots (agent, slot; agents in the order they registered) get a replica
-    now that the job has room (`why`), and which fresh id: as many as there is room for."""
-    return [SlotFilled(agent_id, slot, capacity.next_id + index,
-                       f"agent {agent_id} slot {slot}: new replica {capacity.next_id + index} "
-                       f"({why}; the job wants {capacity.wanted} and had {capacity.live})")
-            for index, (agent_id, slot) in enumerate(waiting[:capacity.room()])]
+    """Which waiting slots (agents in the order they registered) get a replica now that the
+    job has room (`why`), and which fresh id: as many as there is room for. Agents that hold
+    part of a replica form one as soon as enough of them wait, the first holding rank 0."""
+    filled: list[SlotFilled] = []
+    forming: dict[int, list[str]] = {}
+    for slot in waiting:
+        if len(filled) >= capacity.room():
+            break
+        replica = capacity.next_id + len(filled)
+        context = f"{why}; the job wants {capacity.wanted} and had {capacity.live}"
+        if slot.span <= 1:
+            filled.append(SlotFilled(slot.agent_id, slot.slot, replica,
+                                     f"agent {slot.agent_id} slot {slot.slot}: new replica "
+                                     f"{replica} ({context})"))
+            continue
+        group = forming.setdefault(slot.span, [])
+        group.append(slot.agent_id)
+        if len(group) == slot.span:
+            filled.append(SlotFilled(group[0], 0, replica, f"agents {', '.join(group)}: new "
+                                     f"replica {replica} spanning them ({context})",
+                                     satellites=tuple(group[1:])))
+            del forming[slot.span]
+    return filled
 
 
 def admit_replacement(agent_id: str, slot: int, *, agent_alive: bool, job_id: str,
-                      job_state: JobState, taking_over: bool, capacity: Capacity) -> Admission:
+                      job_state: JobState, taking_over: bool, capacity: Capacity,
+                      span: int = 1) -> Admission:
     """A restarted worker on `slot` of a live agent: one fresh replica id if there is room;
-    else the slot waits for room."""
+    else the slot waits for room. Part of a replica spanning agents (`span` > 1) waits for
+    the replica's other parts (`fill_waiting`)."""
     closed = _closed(job_id, job_state, taking_over)
     if closed is not None:
         return Admission((), closed)
     if not agent_alive:
         return Admission((), f"agent {agent_id} is not part of the job (declared lost?)")
+    if span > 1:
+        return Admission((), f"agent {agent_id}: its slots wait for the other agents of a "
+                             f"replica spanning {span}", waiting_slots=(slot,))
     if capacity.room() < 1:
         return Admission((), f"job has its {capacity.wanted} replicas; slot {slot} waits for "
                              "room", waiting_slots=(slot,))

@@ -15,7 +15,7 @@ Every refusal is counted by its `reason` (the metric
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -118,18 +118,21 @@ def peer_host(peer: str) -> str | None:
 
 
 def may_name_transfer(addresses: str, peer: str | None,
-                      is_loopback: Callable[[str], bool]) -> Verdict:
+                      is_loopback: Callable[[str], bool],
+                      rank_peers: Sequence[str | None] = ()) -> Verdict:
     """May a newcomer have its state sent to `addresses` (one per rank, comma-separated)? Only
     to its own agent's host, the one the agent's session comes from: else a rogue could have
-    a donor stream the whole model to wherever it names."""
-    if peer is None:
-        return ALLOWED
-    for address in filter(None, addresses.split(",")):
+    a donor stream the whole model to wherever it names. A replica spanning agents names
+    each rank's address on the host of the agent holding that rank (`rank_peers`, by rank)."""
+    for rank, address in enumerate(addresses.split(",")):
+        expected = rank_peers[rank] if rank < len(rank_peers) else peer
+        if not address or expected is None:
+            continue
         host = address.rpartition(":")[0].strip("[]")
-        same = host == peer or (is_loopback(host) and is_loopback(peer))
+        same = host == expected or (is_loopback(host) and is_loopback(expected))
         if not same:
             return Verdict(False, f"transfer address {address!r} is not on the host of its "
-                                  f"agent's session ({peer})", Reason.FOREIGN_ADDRESS)
+                                  f"agent's session ({expected})", Reason.FOREIGN_ADDRESS)
     return ALLOWED
 
 

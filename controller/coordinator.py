@@ -245,20 +245,20 @@ class Coordinator:
     # ------------------------------------------------------------ agents and workers
 
     async def register_agent(self, agent_id: str, host: str, slots: int,
-                             resume: list[int] | None = None, subject: str = "") -> list[int]:
+                             resume: list[int] | None = None, subject: str = "", *,
+                             peer: str = "", store_port: int = 0) -> list[int]:
         """A new agent joins (`resume` None), or one whose workers kept running rejoins a
         new leader. Raises RegistrationRefused (the message says why)."""
         draft = self._draft()
         if resume is None:
-            ids = membership.register_agent(draft, agent_id, host, slots, subject)
+            ids = membership.register_agent(draft, agent_id, host, slots, subject, peer, store_port)
         else:
             try:
-                ids = takeover.rejoin(draft, agent_id, host, resume)
+                ids = takeover.rejoin(draft, agent_id, host, resume, peer)
             except RejoinUnexpected:
                 # This refusal fences the agent for good (it stops its workers), so only a
-                # leader that still leads may give it. One that cannot reach its store may be
-                # about to stand down (the agent took its silence for a loss first), and the
-                # next leader's takeover expects the agent: LostLeadership then, no refusal.
+                # leader that still leads may give it; one that cannot reach its store may be
+                # standing down, and the next leader's takeover expects the agent.
                 if not await self.records.store.transaction([], []):  # fenced, writes nothing
                     raise LostLeadership("the leader key is no longer ours") from None
                 raise

@@ -48,10 +48,10 @@ def _start(d: Draft, join: Join) -> None:
                                started_at=d.now)
     d.put_join(join)
     joiner = v.replicas[join.joiner]
-    d.send(v.replicas[choice.donor].agent_id, pb.ControllerMessage(donate=pb.Donate(
+    d.send_replica(choice.donor, pb.ControllerMessage(donate=pb.Donate(
         donor=choice.donor, joiner=join.joiner, address=joiner.transfer_address,
         token=join.token, tls_sha256=joiner.transfer_tls_sha256)))
-    d.send(v.replicas[join.joiner].agent_id, pb.ControllerMessage(join=pb.Join(
+    d.send_replica(join.joiner, pb.ControllerMessage(join=pb.Join(
         joiner=join.joiner, donor=choice.donor, token=join.token, attempt=join.attempts)))
     d.emit("join-started", f"attempt {join.attempts}: {choice.reason}", step=v.step,
            replica=join.joiner)
@@ -100,7 +100,7 @@ def attempt_failed(d: Draft, replica: int, msg: pb.JoinFailed) -> None:
         d.change_replica(replica, state=ReplicaState.READY)  # stopped: its exit is recorded
         d.set(abandoned=d.v.abandoned + 1)
         d.emit("join-abandoned", retry.reason, replica=replica, level=logging.WARNING)
-        d.send(d.v.replicas[replica].agent_id, pb.ControllerMessage(
+        d.send_replica(replica, pb.ControllerMessage(
             stop_replica=pb.StopReplica(replica=replica, reason=retry.reason)))
         return
     d.emit("join-failed", retry.reason, replica=replica, level=logging.WARNING)

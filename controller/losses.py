@@ -66,7 +66,7 @@ def members_lost(d: Draft, replicas: list[int], why: str, cause: str = "external
     lost = [r for r in replicas if r in d.v.replicas and d.v.replicas[r].alive]
     for replica in lost:
         record_failure(d, replica, cause, None)
-        d.send(d.v.replicas[replica].agent_id, pb.ControllerMessage(
+        d.send_replica(replica, pb.ControllerMessage(
             stop_replica=pb.StopReplica(replica=replica, reason=why)))
     if lost:
         lose(d, lost, why)

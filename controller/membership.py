@@ -13,9 +13,11 @@ import logging
 from recover.controller import effects, joinflow, worker_errors
 from recover.controller.admission import (
     Capacity,
+    WaitingSlot,
     admit_agent,
     admit_replacement,
     fill_waiting,
+    spans,
     start_decision,
 )
 from recover.controller.jobstate import TERMINAL, JobState, RegistrationRefused
@@ -31,8 +33,9 @@ def capacity(d: Draft) -> Capacity:
 
 
 def register_agent(d: Draft, agent_id: str, host: str, slots: int,
-                   subject: str = "") -> list[int]:
-    """A new agent joins: fresh replica ids for its slots, or RegistrationRefused."""
+                   subject: str = "", peer: str = "", store_port: int = 0) -> list[int]:
+    """A new agent joins: fresh replica ids for its slots, or RegistrationRefused. One that
+    holds part of a replica spanning agents waits for the others (`fill_waiting_slots`)."""
     v = d.v
     admission = admit_agent(
         agent_id, host, slots, job_id=v.job.job_id, job_state=v.state,
@@ -43,7 +46,8 @@ def register_agent(d: Draft, agent_id: str, host: str, slots: int,
         raise RegistrationRefused(admission.reason)
     ids = list(admission.replica_ids)
     d.put_agent(Agent(agent_id, host, tuple(ids), subject=subject,
-                      waiting=admission.waiting_slots))
+                      waiting=admission.waiting_slots, slots=slots, peer=peer,
+                      store_port=store_port))
     ranks = max(v.job.ranks_per_replica, 1)
     for index, replica in enumerate(ids):  # a replica's ranks on consecutive slots
         d.put_replica(Replica(replica, agent_id, slot=index * ranks))
@@ -51,6 +55,8 @@ def register_agent(d: Draft, agent_id: str, host: str, slots: int,
     d.emit("agent-registered", admission.reason)
     d.send(agent_id, pb.ControllerMessage(
         registered=pb.Registered(replica_ids=ids, job=v.job)))
+    if spans(slots, v.job.ranks_per_replica) > 1:
+        fill_waiting_slots(d, f"agent {agent_id} registered")
     return ids
 
 
@@ -61,7 +67,8 @@ def replica_request(d: Draft, agent_id: str, request: pb.ReplicaRequest) -> None
     admission = admit_replacement(
         agent_id, request.slot, agent_alive=agent is not None and agent.alive,
         job_id=v.job.job_id, job_state=v.state,
-        taking_over=v.takeover is not None, capacity=capacity(d))
+        taking_over=v.takeover is not None, capacity=capacity(d),
+        span=spans(agent.slots, v.job.ranks_per_replica) if agent is not None else 1)
     new_waiting = [s for s in admission.waiting_slots if agent and s not in agent.waiting]
     if agent is not None and new_waiting:
         d.change_agent(agent_id, waiting=(*agent.waiting, *new_waiting))
@@ -70,6 +77,8 @@ def replica_request(d: Draft, agent_id: str, request: pb.ReplicaRequest) -> None
         d.send(agent_id, pb.ControllerMessage(replica_assigned=pb.ReplicaAssigned(
             slot=request.slot, refused=admission.reason, retryable=v.takeover is not None,
             waiting=bool(admission.waiting_slots))))
+        if new_waiting:
+            fill_waiting_slots(d, f"agent {agent_id} asked for a replica")
         return
     replica = admission.replica_ids[0]
     d.change_agent(agent_id, replicas=(*agent.replicas, replica))
@@ -86,17 +95,23 @@ def fill_waiting_slots(d: Draft, why: str) -> None:
     v = d.v
     if v.state in TERMINAL or v.takeover is not None:
         return
-    waiting = [(a.agent_id, slot) for a in v.agents.values() if a.alive
-               and a.agent_id not in v.draining for slot in a.waiting]
+    ranks = v.job.ranks_per_replica
+    waiting = [WaitingSlot(a.agent_id, slot, spans(a.slots, ranks)) for a in v.agents.values()
+               if a.alive and a.agent_id not in v.draining for slot in a.waiting]
     for filled in fill_waiting(waiting, capacity(d), why):
-        agent = d.v.agents[filled.agent_id]
-        d.change_agent(filled.agent_id, replicas=(*agent.replicas, filled.replica),
-                       waiting=tuple(s for s in agent.waiting if s != filled.slot))
-        d.put_replica(Replica(filled.replica, filled.agent_id, slot=filled.slot))
-        agent_record(d, filled.agent_id)
+        home = d.v.agents[filled.agent_id]
+        d.put_replica(Replica(filled.replica, filled.agent_id, slot=filled.slot,
+                              satellites=filled.satellites))
+        for index, agent_id in enumerate((filled.agent_id, *filled.satellites)):
+            agent = d.v.agents[agent_id]
+            slot = filled.slot if index == 0 else 0
+            d.change_agent(agent_id, replicas=(*agent.replicas, filled.replica),
+                           waiting=tuple(s for s in agent.waiting if s != slot))
+            agent_record(d, agent_id)
+            d.send(agent_id, pb.ControllerMessage(replica_assigned=pb.ReplicaAssigned(
+                slot=slot, replica=filled.replica, first_rank=index * agent.slots,
+                replica_store=home.replica_store if filled.satellites else "")))
         d.emit("slot-filled", filled.reason, replica=filled.replica)
-        d.send(filled.agent_id, pb.ControllerMessage(replica_assigned=pb.ReplicaAssigned(
-            slot=filled.slot, replica=filled.replica)))
 
 
 def maybe_start(d: Draft, grace_s: float) -> None:

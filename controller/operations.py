@@ -121,7 +121,8 @@ def set_spares(d: Draft, spares: int, by: str) -> Decision:
 
 def leaving_at_boundary(d: Draft) -> list[int]:
     """Members of agents being drained: they leave with this commit."""
-    return [m for m in d.v.members if d.v.replicas[m].agent_id in d.v.draining]
+    return [m for m in d.v.members
+            if any(a in d.v.draining for a in d.v.replicas[m].agents)]
 
 
 def finish_drains(d: Draft) -> None:
@@ -131,7 +132,11 @@ def finish_drains(d: Draft) -> None:
         for r in agent.replicas:
             if d.v.replicas[r].alive:
                 d.drop_join(r)
-                d.change_replica(r, state=ReplicaState.RETIRED)
+                info = d.change_replica(r, state=ReplicaState.RETIRED)
+                for other in info.agents:  # a replica spanning agents leaves whole
+                    if other != agent_id and d.v.agents[other].alive:
+                        d.send(other, pb.ControllerMessage(stop_replica=pb.StopReplica(
+                            replica=r, reason=f"its agent {agent_id} was drained")))
         d.change_agent(agent_id, alive=False)
         d.send(agent_id, pb.ControllerMessage(shutdown=pb.Shutdown(
             reason="drained by an operator", success=True, state="drained")))

@@ -223,7 +223,8 @@ class RelayHub(rpc.RelayLinkServicer):
                 continue
             outbox = _AgentViaRelay(relay, agent_id)
             refusal = await sessions.register(coordinator, relayed.message.register, outbox,
-                                              relayed.subject, via_relay=True)
+                                              relayed.subject, via_relay=True,
+                                              peer=relayed.peer)
             if refusal is not None:
                 relay.deliver(agent_id, None, refusal)
             else:

@@ -50,6 +50,21 @@ def due_for_beat(agents: Iterable[str], last_sent: Mapping[str, float], now: flo
     return [a for a in agents if now - last_sent.get(a, -math.inf) >= every_s]
 
 
+def rank_peers(coordinator: Coordinator, replica: int) -> list[str | None]:
+    """By rank, the host of the agent holding it, for a replica spanning agents (else none:
+    every rank is on the reporting agent's host)."""
+    info = coordinator.replicas.get(replica)
+    if info is None or not info.satellites:
+        return []
+    home = coordinator.agents.get(info.agent_id)
+    per_agent = home.slots if home is not None else 0
+    peers: list[str | None] = []
+    for agent_id in info.agents:
+        agent = coordinator.agents.get(agent_id)
+        peers += [agent.peer or None if agent is not None else None] * per_agent
+    return peers
+
+
 class AgentSessions(rpc.AgentSessionServicer):
     """Owns the per-agent outgoing queues and feeds reports into the coordinator.
 
@@ -158,7 +173,7 @@ class AgentSessions(rpc.AgentSessionServicer):
                     kind = message.WhichOneof("kind")
                     if kind == "register" and agent_id is None:
                         refusal = await self.register(coordinator, message.register, queue,
-                                                      subject)
+                                                      subject, peer=peer or "")
                         if refusal is not None:
                             refused.append(refusal)
                             return
@@ -190,7 +205,7 @@ class AgentSessions(rpc.AgentSessionServicer):
                 await self.session_over(coordinator, agent_id, queue)
 
     async def register(self, coordinator: Coordinator, reg: pb.RegisterAgent, outbox: Outbox,
-                       subject: str, via_relay: bool = False
+                       subject: str, via_relay: bool = False, peer: str = ""
                        ) -> tuple[grpc.StatusCode, str] | None:
         """Bind `reg.agent_id` to `outbox` and register the agent; why not (a status code and
         a reason for the agent), or None. LostLeadership: no answer, the agent looks for
@@ -210,7 +225,8 @@ class AgentSessions(rpc.AgentSessionServicer):
             try:
                 await coordinator.register_agent(
                     reg.agent_id, reg.host, reg.slots,
-                    list(reg.replica_ids) if reg.resume else None, subject)
+                    list(reg.replica_ids) if reg.resume else None, subject,
+                    peer=peer, store_port=reg.replica_store_port)
             except RegistrationRefused as refusal:
                 self._unbind(reg.agent_id, outbox)
                 return grpc.StatusCode.FAILED_PRECONDITION, str(refusal)
@@ -303,7 +319,8 @@ class AgentSessions(rpc.AgentSessionServicer):
                     await coordinator.released(report.replica, report.released)
                 elif which == "ready":
                     named = authz.may_name_transfer(report.ready.transfer_address, peer,
-                                                    is_loopback)
+                                                    is_loopback,
+                                                    rank_peers(coordinator, report.replica))
                     if not named.allowed:  # it gets no donor: the newcomer is dropped
                         self.reject(coordinator, named)
                         await coordinator.members_lost([report.replica], named.reason,

@@ -158,11 +158,11 @@ def steer(d: Draft, moves: Decisions, shares: Mapping[int, tuple[int, ...]]) -> 
     """Send the Releases and closes `StealBook.decide` asked for."""
     v = d.v
     for p in moves.steals:
-        d.send(v.replicas[p.giver].agent_id, pb.ControllerMessage(release=pb.Release(
+        d.send_replica(p.giver, pb.ControllerMessage(release=pb.Release(
             generation=v.generation, step=v.step, replica=p.giver, steal=p.number,
             microbatch_ids=p.microbatch_ids)))
     for replica, reason in moves.close.items():
-        d.send(v.replicas[replica].agent_id, pb.ControllerMessage(share=pb.ShareUpdate(
+        d.send_replica(replica, pb.ControllerMessage(share=pb.ShareUpdate(
             generation=v.generation, step=v.step, replica=replica,
             microbatch_ids=shares[replica], open=False, reason=reason)))
 
@@ -182,7 +182,7 @@ def hand_over(d: Draft, settled: Steal) -> None:
                                        version=version)))
     for taker, ids in settled.takes.items():
         if ids:
-            d.send(v.replicas[taker].agent_id, pb.ControllerMessage(share=pb.ShareUpdate(
+            d.send_replica(taker, pb.ControllerMessage(share=pb.ShareUpdate(
                 generation=v.generation, step=v.step, replica=taker,
                 microbatch_ids=plan[taker], open=True, reason=settled.reason)))
     d.emit("steal", settled.reason, step=v.step, generation=v.generation,

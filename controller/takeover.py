@@ -77,11 +77,17 @@ def restore(d: Draft, persisted: PersistedJob, steps: list[pb.StepRecord],
     view = persisted.view
     members = set(view.members) if view is not None else set()
     joiners: set[int] = set()
+    satellites: dict[int, list[tuple[int, str]]] = {}
     for record in persisted.agents:
         ids = tuple(record.replica_ids)
         d.put_agent(Agent(record.agent_id, record.host, ids, alive=False,
-                          subject=record.subject, waiting=tuple(record.waiting_slots)))
+                          subject=record.subject, waiting=tuple(record.waiting_slots),
+                          slots=record.slots, peer=record.peer,
+                          store_port=record.replica_store_port))
         for r in ids:
+            if record.first_ranks.get(r, 0):  # holds later ranks of a replica spanning agents
+                satellites.setdefault(r, []).append((record.first_ranks[r], record.agent_id))
+                continue
             joining = view is not None and r not in members and r in record.join_addresses
             if joining:
                 joiners.add(r)
@@ -90,9 +96,12 @@ def restore(d: Draft, persisted: PersistedJob, steps: list[pb.StepRecord],
             d.put_replica(Replica(r, record.agent_id, state=state,
                                   transfer_address=record.join_addresses.get(r, ""),
                                   transfer_tls_sha256=record.join_tls_sha256.get(r, "")))
+    for r, parts in satellites.items():
+        if r in d.v.replicas:
+            d.change_replica(r, satellites=tuple(agent_id for _, agent_id in sorted(parts)))
     expected = {a.agent_id for a in persisted.agents
                 if view is None or members & set(a.replica_ids)}
-    expected |= {d.v.replicas[r].agent_id for r in joiners}
+    expected |= {a for r in joiners for a in d.v.replicas[r].agents}
     step = steps[-1].step + 1 if steps else 0
     d.set(step=step)
     if persisted.job is not None and persisted.job.spares != d.v.job.spares:
@@ -126,7 +135,8 @@ def restore(d: Draft, persisted: PersistedJob, steps: list[pb.StepRecord],
            "agents to rejoin", step=step, generation=d.v.generation)
 
 
-def rejoin(d: Draft, agent_id: str, host: str, replicas: list[int]) -> list[int]:
+def rejoin(d: Draft, agent_id: str, host: str, replicas: list[int], peer: str = ""
+           ) -> list[int]:
     """An agent whose workers kept running reconnects; returns its replica ids."""
     wait = d.v.takeover
     if wait is None:
@@ -139,7 +149,7 @@ def rejoin(d: Draft, agent_id: str, host: str, replicas: list[int]) -> list[int]
         raise RegistrationRefused(f"agent {agent_id!r} has already rejoined")
     if agent_id not in wait.expected:
         raise RegistrationRefused(f"agent {agent_id!r} hosts no live replica of this job")
-    d.change_agent(agent_id, alive=True, host=host)
+    d.change_agent(agent_id, alive=True, host=host, peer=peer or agent.peer)
     for r in agent.replicas:
         if r not in replicas and d.v.replicas[r].alive:
             lose_replica(d, r)  # its worker died while no leader listened

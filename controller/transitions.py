@@ -18,7 +18,7 @@ from recover.proto import pb
 
 def broadcast(d: Draft, message: pb.ControllerMessage) -> None:
     """To every live agent that hosts a member of the current generation."""
-    targets = {d.v.replicas[m].agent_id for m in d.v.members}
+    targets = {a for m in d.v.members for a in d.v.replicas[m].agents}
     for agent_id in sorted(targets):
         if d.v.agents[agent_id].alive:
             d.send(agent_id, message)
@@ -51,9 +51,12 @@ def agent_record(d: Draft, agent_id: str) -> None:
     agent = d.v.agents[agent_id]
     record = pb.AgentRecord(agent_id=agent.agent_id, host=agent.host,
                             replica_ids=agent.replicas, subject=agent.subject,
-                            waiting_slots=agent.waiting)
+                            waiting_slots=agent.waiting, peer=agent.peer, slots=agent.slots,
+                            replica_store_port=agent.store_port)
     for r in agent.replicas:
         info = d.v.replicas.get(r)
+        if info is not None and agent_id in info.satellites:
+            record.first_ranks[r] = (info.satellites.index(agent_id) + 1) * agent.slots
         if info is not None and info.alive and info.transfer_address:
             record.join_addresses[r] = info.transfer_address
             if info.transfer_tls_sha256:
@@ -70,16 +73,21 @@ def record_failure(d: Draft, replica: int, cause: str, exited: pb.WorkerExited |
 
 
 def lose_replica(d: Draft, replica: int) -> None:
-    """Its process, agent or reports failed: it is gone, and any join of it with it."""
+    """Its process, agent or reports failed: it is gone, and any join of it with it. A
+    replica spanning agents is lost as a unit: its ranks on the other agents are stopped
+    (one of them could be hung, not dead, and the others would wait for it)."""
     d.drop_join(replica)
-    d.change_replica(replica, state=ReplicaState.LOST)
+    info = d.change_replica(replica, state=ReplicaState.LOST)
+    if info.satellites:
+        d.send_replica(replica, pb.ControllerMessage(stop_replica=pb.StopReplica(
+            replica=replica, reason="a part of its replica, on another agent, was lost")))
 
 
 def retire(d: Draft, replica: int, why: str) -> None:
     """A replica leaves without a failure: forgotten first, so its exit is no loss."""
     d.drop_join(replica)
-    info = d.change_replica(replica, state=ReplicaState.RETIRED)
-    d.send(info.agent_id, pb.ControllerMessage(
+    d.change_replica(replica, state=ReplicaState.RETIRED)
+    d.send_replica(replica, pb.ControllerMessage(
         stop_replica=pb.StopReplica(replica=replica, reason=why)))
 
 

@@ -83,6 +83,15 @@ class Replica:
     """Where it accepts a donor's state (from its `ready`)."""
     transfer_tls_sha256: str = ""
     """The certificate its transfer listener presents (from its `ready`; empty: plain TCP)."""
+    satellites: tuple[str, ...] = ()
+    """A replica spanning agents: the agents holding its ranks after `agent_id`'s, in rank
+    order, each as many as `agent_id` (admission.spans). Every one of them gets the
+    replica's commands; losing any loses the replica."""
+
+    @property
+    def agents(self) -> tuple[str, ...]:
+        """Every agent holding ranks of it, the one with rank 0 first."""
+        return (self.agent_id, *self.satellites)
 
     @property
     def alive(self) -> bool:
@@ -104,6 +113,17 @@ class Agent:
     may rejoin as this agent."""
     waiting: tuple[int, ...] = ()
     """Its slots without a replica, waiting for room in the job (admission.py)."""
+    slots: int = 0
+    peer: str = ""
+    """The host its session comes from (empty: unknown): its ranks' transfer addresses must
+    be there, and a replica spanning agents meets at `peer:store_port` of its first agent."""
+    store_port: int = 0
+    """Where it listens for the store of a spanning replica whose rank 0 it holds."""
+
+    @property
+    def replica_store(self) -> str:
+        host = self.peer or "127.0.0.1"
+        return f"[{host}]:{self.store_port}" if ":" in host else f"{host}:{self.store_port}"
 
 
 @dataclass(frozen=True)
@@ -336,6 +356,13 @@ class Draft:
 
     def send(self, agent_id: str, message: pb.ControllerMessage) -> None:
         self.effects.append(effects.Send(agent_id, message))
+
+    def send_replica(self, replica: int, message: pb.ControllerMessage) -> None:
+        """To every live agent holding ranks of `replica` (one, unless it spans agents)."""
+        for agent_id in self.v.replicas[replica].agents:
+            agent = self.v.agents.get(agent_id)
+            if agent is not None and agent.alive:
+                self.send(agent_id, message)
 
     def emit(self, kind: str, message: str, *, step: int = -1, generation: int = -1,
              replica: int = -1, level: int = logging.INFO, pid: int = 0) -> None:

@@ -571,7 +571,7 @@ class CheckpointWritten(_message.Message):
     def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., bytes: _Optional[int] = ..., write_s: _Optional[float] = ..., snapshot_s: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
 
 class RegisterAgent(_message.Message):
-    __slots__ = ("agent_id", "host", "slots", "resume", "replica_ids", "term", "generation")
+    __slots__ = ("agent_id", "host", "slots", "resume", "replica_ids", "term", "generation", "replica_store_port")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -579,6 +579,7 @@ class RegisterAgent(_message.Message):
     REPLICA_IDS_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_STORE_PORT_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     host: str
     slots: int
@@ -586,7 +587,8 @@ class RegisterAgent(_message.Message):
     replica_ids: _containers.RepeatedScalarFieldContainer[int]
     term: int
     generation: int
-    def __init__(self, agent_id: _Optional[str] = ..., host: _Optional[str] = ..., slots: _Optional[int] = ..., resume: _Optional[bool] = ..., replica_ids: _Optional[_Iterable[int]] = ..., term: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+    replica_store_port: int
+    def __init__(self, agent_id: _Optional[str] = ..., host: _Optional[str] = ..., slots: _Optional[int] = ..., resume: _Optional[bool] = ..., replica_ids: _Optional[_Iterable[int]] = ..., term: _Optional[int] = ..., generation: _Optional[int] = ..., replica_store_port: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("sent_at",)
@@ -665,18 +667,22 @@ class AgentMessage(_message.Message):
     def __init__(self, register: _Optional[_Union[RegisterAgent, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., worker_exited: _Optional[_Union[WorkerExited, _Mapping]] = ..., report: _Optional[_Union[WorkerReport, _Mapping]] = ..., replica_request: _Optional[_Union[ReplicaRequest, _Mapping]] = ...) -> None: ...
 
 class ReplicaAssigned(_message.Message):
-    __slots__ = ("slot", "replica", "refused", "retryable", "waiting")
+    __slots__ = ("slot", "replica", "refused", "retryable", "waiting", "first_rank", "replica_store")
     SLOT_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     RETRYABLE_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
+    FIRST_RANK_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_STORE_FIELD_NUMBER: _ClassVar[int]
     slot: int
     replica: int
     refused: str
     retryable: bool
     waiting: bool
-    def __init__(self, slot: _Optional[int] = ..., replica: _Optional[int] = ..., refused: _Optional[str] = ..., retryable: _Optional[bool] = ..., waiting: _Optional[bool] = ...) -> None: ...
+    first_rank: int
+    replica_store: str
+    def __init__(self, slot: _Optional[int] = ..., replica: _Optional[int] = ..., refused: _Optional[str] = ..., retryable: _Optional[bool] = ..., waiting: _Optional[bool] = ..., first_rank: _Optional[int] = ..., replica_store: _Optional[str] = ...) -> None: ...
 
 class Registered(_message.Message):
     __slots__ = ("replica_ids", "job")
@@ -807,7 +813,7 @@ class LeaderRecord(_message.Message):
     def __init__(self, term: _Optional[int] = ..., address: _Optional[str] = ..., controller_id: _Optional[str] = ..., elected_at: _Optional[float] = ...) -> None: ...
 
 class AgentRecord(_message.Message):
-    __slots__ = ("agent_id", "host", "replica_ids", "join_addresses", "subject", "waiting_slots", "join_tls_sha256")
+    __slots__ = ("agent_id", "host", "replica_ids", "join_addresses", "subject", "waiting_slots", "join_tls_sha256", "first_ranks", "peer", "slots", "replica_store_port")
     class JoinAddressesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -822,6 +828,13 @@ class AgentRecord(_message.Message):
         key: int
         value: str
         def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
+    class FirstRanksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     REPLICA_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -829,6 +842,10 @@ class AgentRecord(_message.Message):
     SUBJECT_FIELD_NUMBER: _ClassVar[int]
     WAITING_SLOTS_FIELD_NUMBER: _ClassVar[int]
     JOIN_TLS_SHA256_FIELD_NUMBER: _ClassVar[int]
+    FIRST_RANKS_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_STORE_PORT_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     host: str
     replica_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -836,7 +853,11 @@ class AgentRecord(_message.Message):
     subject: str
     waiting_slots: _containers.RepeatedScalarFieldContainer[int]
     join_tls_sha256: _containers.ScalarMap[int, str]
-    def __init__(self, agent_id: _Optional[str] = ..., host: _Optional[str] = ..., replica_ids: _Optional[_Iterable[int]] = ..., join_addresses: _Optional[_Mapping[int, str]] = ..., subject: _Optional[str] = ..., waiting_slots: _Optional[_Iterable[int]] = ..., join_tls_sha256: _Optional[_Mapping[int, str]] = ...) -> None: ...
+    first_ranks: _containers.ScalarMap[int, int]
+    peer: str
+    slots: int
+    replica_store_port: int
+    def __init__(self, agent_id: _Optional[str] = ..., host: _Optional[str] = ..., replica_ids: _Optional[_Iterable[int]] = ..., join_addresses: _Optional[_Mapping[int, str]] = ..., subject: _Optional[str] = ..., waiting_slots: _Optional[_Iterable[int]] = ..., join_tls_sha256: _Optional[_Mapping[int, str]] = ..., first_ranks: _Optional[_Mapping[int, int]] = ..., peer: _Optional[str] = ..., slots: _Optional[int] = ..., replica_store_port: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

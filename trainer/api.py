@@ -187,7 +187,7 @@ def init() -> Job:
         if not store:
             _exit(EXIT_NOT_LAUNCHED, "recover.trainer.init(): RECOVER_REPLICA_STORE is not set "
                   "for a replica of several ranks")
-        ranks = replica_ranks.join_replica(rank, size, store)
+        ranks = replica_ranks.join_replica(rank, size, store, replica)
     proto = welcome.job
     try:
         config = json.loads(proto.workload.config_json) if proto.workload.config_json else {}

@@ -1,10 +1,12 @@
 """A replica of several ranks: its own process group, the lockstep its ranks keep, and what
 they agree on before rank 0 speaks for them.
 
-With `--ranks-per-replica K` a replica is K worker processes on one host that shard one
-model copy (FSDP2 over `Job.replica_mesh`). Their group is torch's default process group,
-met on a file the agent names (`RECOVER_REPLICA_STORE`): it never spans replicas, so a
-fault in one replica cannot hang another, and it is built once per replica life. Each rank
+With `--ranks-per-replica K` a replica is K worker processes that shard one model copy
+(FSDP2 over `Job.replica_mesh`), on one host or spanning several agents. Their group is
+torch's default process group, met where the agent says (`RECOVER_REPLICA_STORE`): a file
+when the ranks share a host, else tcp://HOST:PORT, a TCPStore that rank 0 serves on the
+listening socket its agent holds (`RECOVER_REPLICA_STORE_FD`). It never spans replicas, so
+a fault in one replica cannot hang another, and it is built once per replica life. Each rank
 reduces its own gradient shard across replicas over a per-generation group of its shard
 index (`GroupSpec.shard`).
 
@@ -75,14 +77,30 @@ def from_environment() -> tuple[int, int]:
     return (rank, size) if 0 <= rank < size else (0, 1)
 
 
-def join_replica(rank: int, size: int, store_path: str) -> ReplicaRanks:
+def replica_store(where: str, rank: int, size: int, replica: int) -> dist.Store:
+    """The store the replica's ranks meet on. A spanning replica's TCP store outlives the
+    replica on its agent's socket (the next replica on those slots serves it anew), so each
+    replica's keys live under its own id."""
+    if not where.startswith("tcp://"):
+        return dist.PrefixStore("replica/", dist.FileStore(where, size))
+    host, _, port = where.removeprefix("tcp://").rpartition(":")
+    fd = os.environ.get("RECOVER_REPLICA_STORE_FD", "")
+    serving = {"master_listen_fd": int(fd)} if rank == 0 and fd.isdigit() else {}
+    # Rank 0 may start seconds after the others (imports on a busy host): the others wait
+    # in the socket's backlog, bounded only by the replica group's own timeout.
+    store = dist.TCPStore(host.strip("[]"), int(port), size, rank == 0,
+                          timeout=REPLICA_GROUP_TIMEOUT, wait_for_workers=False, **serving)
+    return dist.PrefixStore(f"replica/{replica}/", store)
+
+
+def join_replica(rank: int, size: int, where: str, replica: int = 0) -> ReplicaRanks:
     """Meet the replica's other ranks (blocks until all have come) and build its mesh."""
     from torch.distributed.device_mesh import DeviceMesh
 
     cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
     # NCCL for CUDA tensors where there are any (untested without a GPU), gloo for CPU ones.
     backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
-    store = dist.PrefixStore("replica/", dist.FileStore(store_path, size))
+    store = replica_store(where, rank, size, replica)
     dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                             timeout=REPLICA_GROUP_TIMEOUT)
     group = dist.group.WORLD

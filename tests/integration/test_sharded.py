@@ -13,6 +13,7 @@ import json
 import re
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -43,12 +44,12 @@ PIPELINE_FAULTS = ["step=1,replica=1,phase=forward",           # stage 0, as the
 
 
 def pids_by_replica(logs: Path) -> dict[int, list[int]]:
-    """The worker pids each agent says it spawned, by replica."""
+    """The worker pids the agents say they spawned, by replica (on every agent it spans)."""
     found: dict[int, list[int]] = {}
-    for log in logs.glob("agent-*.log"):
+    for log in sorted(logs.glob("agent-*.log")):
         for line in log.read_text().splitlines():
-            if (m := re.search(r'spawned worker pids ([\d, ]+) on slots .*replica=(\d+)', line)):
-                found[int(m[2])] = [int(p) for p in m[1].split(", ")]
+            if (m := re.search(r'spawned worker pids? ([\d, ]+) on slots? .*replica=(\d+)', line)):
+                found.setdefault(int(m[2]), []).extend(int(p) for p in m[1].split(", "))
     return found
 
 
@@ -112,18 +113,27 @@ def test_hsdp_exact_is_bitwise_through_a_rank_lost_in_each_phase_and_a_resume(
     assert sorted(merged) == sorted(want) and all(torch.equal(merged[k], want[k]) for k in want)
 
 
+REJOIN_LAYOUT = ["--replicas", "2", "--ranks-per-replica", "2", "--steps", "40", "-M", "4",
+                 "--seed", "4", "--reduce", "exact", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def rejoin_reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The failure-free run of REJOIN_LAYOUT, each replica's ranks on one agent."""
+    reference = run_recover(tmp_path_factory.mktemp("reference"), *REJOIN_LAYOUT,
+                            "--", "python", EXAMPLE, timeout=240)
+    assert reference.returncode == 0, reference.stderr
+    return reference
+
+
 def test_a_lost_sharded_replica_rejoins_rank_by_rank_or_a_spare_takes_its_place(
-        tmp_path: Path) -> None:
+        tmp_path: Path, rejoin_reference: Any) -> None:
     """A rank killed: its replica is lost, restarted by its agent (both ranks), and joins
     with live state transfer rank by rank (donor rank k to joiner rank k, each its own
     FSDP2 shards and optimizer state); the job ends at full strength, bitwise the
     failure-free run. Steps carry 30 ms of emulated compute, so the restart (a fork from
     the warm interpreter) joins mid-run."""
-    layout = ["--replicas", "2", "--ranks-per-replica", "2", "--steps", "40", "-M", "4",
-              "--seed", "4", "--reduce", "exact", "--quiet"]
-    reference = run_recover(tmp_path / "reference", *layout, "--", "python", EXAMPLE,
-                            timeout=240)
-    assert reference.returncode == 0, reference.stderr
+    layout, reference = REJOIN_LAYOUT, rejoin_reference
     rejoined = run_recover(tmp_path / "rejoined", *layout, "--compute-ms", "30",
                            "--kill", "step=2,replica=1,phase=backward,rank=1",
                            "--", "python", EXAMPLE, timeout=240)
@@ -147,6 +157,46 @@ def test_a_lost_sharded_replica_rejoins_rank_by_rank_or_a_spare_takes_its_place(
     assert [f["phase"] for f in spared.summary["failures"]] == ["commit"]
     log = (tmp_path / "spared" / "logs" / "controller.log").read_text()
     assert "spare-promoted: replica 2 caught up" in log, log[-2000:]
+
+
+def test_a_replica_spanning_agents_is_lost_as_a_unit_and_rejoins_bitwise(
+        tmp_path: Path, rejoin_reference: Any) -> None:
+    """Each replica's 2 ranks on two agents of one slot (hosts, here on loopback): the ranks
+    meet on a TCP store that rank 0 serves on its agent's socket. A rank killed on the agent
+    without rank 0, then rank 0 of the other replica SIGSTOPped (its agent's watchdog kills
+    it): each time the controller stops the replica's part on the other agent, both agents
+    form a new replica that joins rank by rank across them, and every step's parameters
+    are the one-agent-per-replica run's, bit for bit."""
+    run = run_recover(tmp_path / "spanning", *REJOIN_LAYOUT, "--agents", "4",
+                      "--compute-ms", "30",
+                      "--kill", "step=2,replica=1,phase=backward,rank=1",
+                      "--kill", "step=12,replica=0,phase=stop",
+                      "--", "python", EXAMPLE, timeout=240)
+    assert run.returncode == 0, run.stderr
+    assert_bitwise_identical(run.summary, rejoin_reference.summary)
+    # Each agent reports its own part: the killed rank's (the injected fault), or, should
+    # the other agent's report come first on a busy machine, that of the rank that found
+    # its replica broken (an external cause). The stopped rank's phase: its own note
+    # ("stop"), or where the watchdog found it ("compute"; either agent's watchdog may).
+    first, second = run.summary["failures"]
+    assert first["replica"] == 1 and first["cause"] in ("injected", "external"), first
+    assert second["replica"] == 0 and second["cause"] in ("watchdog", "external"), second
+    assert run.summary["replicas_per_step"][-1] == 2  # both replaced, at full strength
+    logs = tmp_path / "spanning" / "logs"
+    log = (logs / "controller.log").read_text()
+    formed = re.findall(r"slot-filled: agents (host\d), (host\d): new replica (\d) spanning", log)
+    assert len(formed) == 4 and all(a != b for a, b, _ in formed), log[-3000:]
+    assert log.count("replica-joined") == 2, log[-3000:]
+    agents = {p.name: p.read_text() for p in logs.glob("agent-*.log")}
+    assert all("(ranks 0..0 of 2, meeting at 127.0.0.1:" in text
+               or "(ranks 1..1 of 2, meeting at 127.0.0.1:" in text for text in agents.values())
+    # The part on the other agent was stopped by the controller, not left to a timeout.
+    stopped = sum(text.count("stopped by the controller: a part of its replica, on another "
+                             "agent, was lost") for text in agents.values())
+    assert stopped == 2, agents
+    pids = pids_by_replica(logs)
+    assert sorted(pids) == [0, 1, 2, 3] and all(len(p) == 2 for p in pids.values())
+    assert not [pid for ranks in pids.values() for pid in ranks if alive(pid)]
 
 
 def test_hsdp_batchnorm_buffers_stay_bitwise_through_a_rank_lost_and_a_rejoin(

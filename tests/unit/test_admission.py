@@ -6,9 +6,11 @@ import pytest
 
 from recover.controller.admission import (
     Capacity,
+    WaitingSlot,
     admit_agent,
     admit_replacement,
     fill_waiting,
+    spans,
     start_decision,
 )
 from recover.controller.jobstate import JobState
@@ -43,9 +45,15 @@ ROWS = [  # agent, slots, overrides, granted ids, waiting slots, reason
                  id="sharded-one-id-per-replica"),
     pytest.param("a", 3, {"ranks_per_replica": 2}, (), (),
                  "3 slots do not hold whole replicas of 2 ranks", id="sharded-odd-slots"),
-    pytest.param("a", 1, {"ranks_per_replica": 2}, (), (),
-                 "an agent needs at least 2 slots (a replica's ranks), got 1",
-                 id="sharded-fewer-slots-than-ranks"),
+    # Fewer slots than a replica's ranks: part of a replica spanning agents, which waits for
+    # the others (fill_waiting forms it); each part the same size, so a divisor of the ranks.
+    pytest.param("a", 1, {"ranks_per_replica": 2}, (), (0,),
+                 "agent a on h: its 1 slot holds part of a replica of 2 ranks spanning 2 "
+                 "agents; it waits for the others", id="spanning-part-waits"),
+    pytest.param("a", 2, {"ranks_per_replica": 8}, (), (0,), "spanning 4 agents",
+                 id="spanning-four-agents"),
+    pytest.param("a", 3, {"ranks_per_replica": 4}, (), (),
+                 "3 slots do not hold a whole part of a replica of 4 ranks", id="spanning-uneven"),
     pytest.param("b", 4, {"ranks_per_replica": 2, "capacity": Capacity(4, 3, 3)}, (3,), (2,),
                  "replicas [3]; slots [2] wait for room", id="sharded-the-second-replica-waits"),
     pytest.param("c", 2, {"ranks_per_replica": 2, "job_state": JobState.RUNNING,
@@ -71,6 +79,10 @@ REPLACEMENT_ROWS = [
     pytest.param({"job_state": JobState.SUCCEEDED}, (), "job j is succeeded", id="over"),
     pytest.param({"taking_over": True}, (), "taking over", id="takeover"),
     pytest.param({"job_state": JobState.WAITING}, (5,), "new replica 5", id="during-startup"),
+    pytest.param({"span": 2}, (), "its slots wait for the other agents of a replica spanning 2",
+                 id="spanning-part-waits-for-the-others"),
+    pytest.param({"span": 2, "agent_alive": False}, (), "not part of the job",
+                 id="spanning-agent-lost"),
 ]
 
 
@@ -80,7 +92,7 @@ def test_admit_replacement(overrides, ids, reason):
                 capacity=Capacity(4, 3, 5))
     admission = admit_replacement("a", 1, **{**args, **overrides})
     assert admission.replica_ids == ids
-    assert admission.waiting_slots == ((1,) if "waits" in reason else ())
+    assert admission.waiting_slots == ((1,) if "wait" in reason else ())
     assert reason in admission.reason, admission.reason
 
 
@@ -93,14 +105,32 @@ FILL_ROWS = [
     pytest.param(Capacity(4, 4, 9), [("a", 1)], [], "", id="no-room"),
     pytest.param(Capacity(4, 1, 9), [("a", 1)], [("a", 1, 9)], "new replica 9",
                  id="fewer-waiting-than-room"),
+    # Parts of replicas spanning agents (the third field: how many agents one spans).
+    pytest.param(Capacity(4, 2, 9), [("a", 0, 2)], [], "", id="spanning-one-part-waits"),
+    pytest.param(Capacity(4, 2, 9), [("a", 0, 2), ("b", 0, 2)], [("a", 0, 9, ("b",))],
+                 "agents a, b: new replica 9 spanning them", id="spanning-two-parts-form-one"),
+    pytest.param(Capacity(4, 3, 9), [("a", 0, 2), ("b", 0, 2), ("c", 0, 2), ("d", 0, 2)],
+                 [("a", 0, 9, ("b",))], "new replica 9", id="spanning-room-for-one"),
+    pytest.param(Capacity(4, 0, 9), [("a", 0, 4), ("b", 0, 2), ("c", 0, 2), ("d", 0, 4)],
+                 [("b", 0, 9, ("c",))], "agents b, c", id="spanning-parts-of-one-size-together"),
+    pytest.param(Capacity(4, 2, 9), [("a", 0, 2), ("x", 1), ("b", 0, 2)],
+                 [("x", 1, 9), ("a", 0, 10, ("b",))], "new replica 10 spanning them",
+                 id="spanning-beside-a-whole-replica"),
 ]
 
 
 @pytest.mark.parametrize(("capacity", "waiting", "filled", "reason"), FILL_ROWS)
 def test_fill_waiting(capacity, waiting, filled, reason):
-    decisions = fill_waiting(waiting, capacity, "replica 2 lost")
-    assert [(f.agent_id, f.slot, f.replica) for f in decisions] == filled
+    decisions = fill_waiting([WaitingSlot(*w) for w in waiting], capacity, "replica 2 lost")
+    assert [(f.agent_id, f.slot, f.replica, *((f.satellites,) if f.satellites else ()))
+            for f in decisions] == filled
     assert not decisions or reason in decisions[-1].reason, decisions[-1].reason
+
+
+@pytest.mark.parametrize(("slots", "ranks", "span"), [
+    (4, 2, 1), (2, 2, 1), (1, 2, 2), (2, 8, 4), (3, 4, 1), (1, 1, 1), (0, 2, 1)])
+def test_spans(slots, ranks, span):
+    assert spans(slots, ranks) == span
 
 
 START_ROWS = [

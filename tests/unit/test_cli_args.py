@@ -102,7 +102,11 @@ USAGE_CASES = [
     pytest.param(["run", "--replicas", "2", "--kill", "step=1,replica=2,phase=forward"],
                  "replica 2 does not exist (replicas are 0..1)", id="kill-replica-beyond"),
     pytest.param(["run", "--replicas", "2", "--agents", "3"],
-                 "--agents must be between 1 and --replicas (2)", id="too-many-agents"),
+                 "--agents 3: give 1 to 2 (whole replicas on each), or a multiple of the "
+                 "replicas and spares (2)", id="too-many-agents"),
+    pytest.param(["run", "--replicas", "2", "--ranks-per-replica", "2", "--agents", "6"],
+                 "whose share of each replica divides its 2 ranks (a replica spanning agents)",
+                 id="agents-that-cannot-share-a-replica"),
     pytest.param(["controller", "--store", "zookeeper://x:2181"],
                  "unsupported store 'zookeeper://x:2181'", id="controller-bad-store"),
     pytest.param(["controller", "--store", "etcd://x"], "'x' is not HOST:PORT",

@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -186,5 +187,30 @@ def test_the_users_own_preloads_are_imported_once_and_a_failing_one_is_skipped(
             await starter.close()
         assert "RECOVER_PRELOAD: importing no_such_module_for_recover failed" in (
             tmp_path / "zygote.log").read_text()
+
+    asyncio.run(scenario())
+
+
+def test_an_inherited_socket_reaches_workers_until_the_zygote_forgets_it(tmp_path: Path) -> None:
+    """The agent's listening socket for a spanning replica's store: forked workers hold it
+    (rank 0 serves the store on it); a job that does not span agents has it closed in the
+    zygote, so no later worker holds it."""
+    script = tmp_path / "holds.py"
+    script.write_text("import os, sys\n"
+                      "try:\n    os.fstat(int(os.environ['FD']))\nexcept OSError:\n"
+                      "    sys.exit(1)\n")
+
+    async def scenario() -> None:
+        listener = socket.create_server(("127.0.0.1", 0))
+        starter = _starter([str(script)], tmp_path)
+        await starter.start((listener.fileno(),))
+        try:
+            fd = str(listener.fileno())
+            assert (await _spawn_and_wait(starter, tmp_path, "a", FD=fd))[0] == 0
+            starter.forget(listener.fileno())
+            assert (await _spawn_and_wait(starter, tmp_path, "b", FD=fd))[0] == 1
+        finally:
+            await starter.close()
+            listener.close()
 
     asyncio.run(scenario())
