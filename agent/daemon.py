@@ -42,6 +42,7 @@ from recover.agent.workers import (
     spawned,
     stop_replica,
     stop_workers,
+    store_from_here,
     waiting_note,
 )
 from recover.common.netaddr import local_address_towards
@@ -76,6 +77,7 @@ class Agent:
         self._channel_address = ""
         self._run_dir = Path()
         self._transfer_host = "127.0.0.1"
+        self._control_host = ""  # of the controller (or relay) this agent's session is with
         self._tasks: list[asyncio.Task[None]] = []
         self._warm: WarmStarter | None = None
         self._starting: set[int] = set()
@@ -111,6 +113,7 @@ class Agent:
         self._upstream = session.upstream
         host, _, port = session.address.rpartition(":")
         self._transfer_host = local_address_towards(host, int(port)) or "127.0.0.1"
+        self._control_host = host
         if resume:
             # The old leader may have died before persisting these (reports sent
             # while no leader listened are gone): the new one needs the last
@@ -125,7 +128,7 @@ class Agent:
         if cfg.metrics_port is not None:
             self.metrics_port = serve_metrics(self, cfg.metrics_host, cfg.metrics_port,
                                               cfg.metrics_port_file)
-        self._store_socket = listen_for_replica_store(cfg.controllers)
+        self._store_socket = listen_for_replica_store()
         await self._start_warm()  # its imports (seconds) run while we connect
         try:
             session = await self._connect(resume=False)
@@ -147,7 +150,10 @@ class Agent:
                                 asyncio.create_task(watch_for_hangs(self.workers, registered.job))]
                 ranks = max(registered.job.ranks_per_replica, 1)
                 if ranks <= cfg.slots and self._store_socket is not None:
-                    self._forget_store_socket()  # no replica spans agents here
+                    if self._warm is not None:  # no replica spans agents: no worker needs it
+                        self._warm.forget(self._store_socket.fileno())
+                    self._store_socket.close()
+                    self._store_socket = None
                 # Started in the background: the first start may wait seconds for the warm
                 # interpreter, and meanwhile the session must be read (a leader lost during
                 # the start is noticed, and the next one joined, at once).
@@ -227,13 +233,6 @@ class Agent:
             self._warm = await settle_warm(self._warm, resolve_command(self._worker_command()),
                                            self.config.warm_start)
 
-    def _forget_store_socket(self) -> None:
-        assert self._store_socket is not None
-        if self._warm is not None:
-            self._warm.forget(self._store_socket.fileno())
-        self._store_socket.close()
-        self._store_socket = None
-
     async def _close_warm(self) -> None:
         if self._warm is not None:
             await self._warm.close()
@@ -263,7 +262,7 @@ class Agent:
         part = ReplicaPart(  # the part of a replica spanning agents that this agent holds
             ranks=max(self._job.ranks_per_replica, 1), first_rank=assigned.first_rank,
             here=self.config.slots if assigned.replica_store else 0,
-            store=assigned.replica_store,
+            store=store_from_here(assigned.replica_store, self._control_host),
             store_fd=self._store_socket.fileno() if self._store_socket else None)
         try:
             worker = await spawn_replica(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
 import signal
@@ -17,7 +18,6 @@ from typing import IO
 from recover.agent.attached import AttachedProcess
 from recover.agent.warmstart import ForkedProcess, WarmStarter
 from recover.common import progress
-from recover.common.netaddr import local_address_towards
 from recover.proto import pb
 
 log = logging.getLogger("recover.agent")
@@ -236,20 +236,38 @@ async def stop_workers(workers: list[WorkerProcess], grace_s: float) -> None:
             worker.log_file.close()
 
 
-def listen_for_replica_store(controllers: list[str]) -> socket.socket | None:
+def listen_for_replica_store() -> socket.socket | None:
     """The socket a spanning replica's rank 0 serves the replica's store on, if this agent
     holds it: bound before any worker starts (they inherit it, the warm interpreter too),
     so its port is known when the agent registers and the other agents' ranks can connect
-    before rank 0 runs (their connections wait in its backlog, not on a timer). On the
-    address this host reaches the controller from, where the controller sees it."""
-    host, _, port = controllers[0].rpartition(":") if controllers else ("", "", "")
-    address = local_address_towards(host.strip("[]"), int(port)) if port.isdigit() else None
+    before rank 0 runs (their connections wait in its backlog, not on a timer). On every
+    interface: the other agents reach it at this host's address as the controller saw it,
+    which need not be the one this host reaches the controller from (a relay, an agent
+    beside the controller)."""
     try:
-        listener = socket.create_server((address or "0.0.0.0", 0), backlog=128)
+        listener = socket.create_server(("0.0.0.0", 0), backlog=128)
     except OSError as exc:
         log.warning("no socket for a spanning replica's store: %s", exc.strerror)
         return None
     return listener
+
+
+def store_from_here(store: str, control_host: str) -> str:
+    """A spanning replica's store address as this agent reaches it. A loopback host means the
+    agent serving it reached the controller (or relay) over loopback: it is on that host,
+    which this agent reaches at the address its own session uses."""
+    host, _, port = store.rpartition(":")
+    if not store or not _loopback_literal(host.strip("[]")) or not control_host \
+            or _loopback_literal(control_host.strip("[]")):
+        return store
+    return f"{control_host}:{port}"
+
+
+def _loopback_literal(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,24 @@ def local_address_towards(host: str, port: int) -> str | None:
         return None
 
 
+def interface_with(address: str) -> str | None:
+    """The name of the network interface whose (primary IPv4) address is `address`, or None."""
+    import fcntl
+    import struct
+
+    get_address = 0x8915  # SIOCGIFADDR
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                answer = fcntl.ioctl(probe.fileno(), get_address,
+                                     struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # no IPv4 address on it
+            if socket.inet_ntoa(answer[20:24]) == address:
+                return name
+    return None
+
+
 def write_port_file(path: str | Path, port: int) -> None:
     """Write the port a server bound (port 0: the kernel chose it) where a launcher waits for
     it; atomically, so the reader never sees a half-written number."""

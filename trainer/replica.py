@@ -25,16 +25,18 @@ reduced only if every rank has, and then rank 0 reports the replica's loss and t
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from recover.common.netaddr import interface_with, local_address_towards
 from recover.proto import pb
 
 REPLICA_GROUP_TIMEOUT = datetime.timedelta(days=7)
@@ -93,6 +95,28 @@ def replica_store(where: str, rank: int, size: int, replica: int) -> dist.Store:
     return dist.PrefixStore(f"replica/{replica}/", store)
 
 
+@contextlib.contextmanager
+def gloo_interface_towards(where: str) -> Iterator[None]:
+    """While the replica's group is built: gloo on the interface that reaches the replica's
+    store, for a replica spanning hosts. Left alone, gloo binds to whatever the hostname
+    resolves to (127.0.1.1 on many hosts, nothing at all inside a network namespace), which
+    the other hosts' ranks cannot reach; GLOO_SOCKET_IFNAME, if set, wins as in torch."""
+    interface = None
+    if where.startswith("tcp://") and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        host, _, port = where.removeprefix("tcp://").rpartition(":")
+        local = local_address_towards(host.strip("[]"), int(port))
+        # Not loopback: the other hosts could not reach it (rank 0 beside the controller).
+        interface = interface_with(local) if local and not local.startswith("127.") else None
+    if interface is None:
+        yield
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = interface
+    try:
+        yield
+    finally:
+        del os.environ["GLOO_SOCKET_IFNAME"]  # the cross-replica groups choose their own
+
+
 def join_replica(rank: int, size: int, where: str, replica: int = 0) -> ReplicaRanks:
     """Meet the replica's other ranks (blocks until all have come) and build its mesh."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -101,8 +125,9 @@ def join_replica(rank: int, size: int, where: str, replica: int = 0) -> ReplicaR
     # NCCL for CUDA tensors where there are any (untested without a GPU), gloo for CPU ones.
     backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
     store = replica_store(where, rank, size, replica)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=size,
-                            timeout=REPLICA_GROUP_TIMEOUT)
+    with gloo_interface_towards(where):
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size,
+                                timeout=REPLICA_GROUP_TIMEOUT)
     group = dist.group.WORLD
     assert group is not None  # just initialised
     mesh = DeviceMesh.from_group(group, "cuda" if cuda else "cpu")

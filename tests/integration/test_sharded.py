@@ -10,7 +10,9 @@ by many assertions (each run costs ~15 s on 2 cores).
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from tests.integration.conftest import (
     assert_bitwise_identical,
     recover_cmd,
     run_recover,
+    wait_for,
 )
 
 pytestmark = pytest.mark.slow
@@ -320,3 +323,63 @@ def test_a_model_not_sharded_over_the_replica_fails_in_one_line(tmp_path: Path) 
     assert "fully_shard(module, mesh=job.replica_mesh)" in result.stderr
     assert "for pipeline stages, pass this rank's stage with forward_backward=" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.timeout(240)
+def test_a_replica_spans_two_network_namespaces_and_rejoins_across_them(
+        tmp_path: Path, rejoin_reference: Any) -> None:
+    """Each replica's rank 0 on an agent beside the controller and rank 1 on an agent in
+    another network namespace (another host, as far as sockets go; the hostname resolves to
+    neither): the replica's store, its gloo group and a rejoin's state transfer must all find
+    addresses the other host reaches. A rank killed on the far host: the replica is lost,
+    re-formed from the same two agents and rejoins rank by rank across them, bitwise the
+    local run's."""
+    from tests.integration.test_partition import SUBNET, Namespaces
+
+    try:
+        ns = Namespaces()
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"cannot create network namespaces here (needs root and iproute2): {exc}")
+    address = f"{SUBNET}.1:50062"
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    processes: list[subprocess.Popen[bytes]] = []
+
+    def registered(agent: str) -> bool:
+        text = (logs / "controller.log").read_text()
+        assert processes[0].poll() is None, text[-2000:]
+        return f"agent-registered: agent {agent} " in text
+
+    try:
+        processes.append(ns.run(ns.ctl, recover_cmd(
+            "controller", "--host", f"{SUBNET}.1", "--port", "50062",
+            *[flag for flag in REJOIN_LAYOUT if flag != "--quiet"],
+            "--compute-ms", "30", "--kill", "step=3,replica=0,phase=backward,rank=1",
+            "--summary-out", str(tmp_path), "--linger", "1", "--job-id", "spanning",
+            "--", "python", EXAMPLE), logs / "controller.log"))
+        # One agent per namespace and replica, started in turn: the controller forms each
+        # replica from two agents in the order they registered (a near one, then a far one).
+        for space, name in ((ns.ctl, "near0"), (ns.far, "far0"), (ns.ctl, "near1"),
+                            (ns.far, "far1")):
+            processes.append(ns.run(space, recover_cmd(
+                "agent", "--controller", address, "--slots", "1", "--agent-id", name,
+                "--log-dir", str(logs)), logs / f"agent-{name}.log"))
+            wait_for(lambda: registered(name), 90, f"agent {name} to register")  # noqa: B023
+        assert processes[0].wait(timeout=180) == 0, (logs / "controller.log").read_text()[-3000:]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        ns.remove()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert_bitwise_identical(summary, rejoin_reference.summary)
+    assert [f["replica"] for f in summary["failures"]] == [0]
+    assert summary["replicas_per_step"][-1] == 2
+    log = (logs / "controller.log").read_text()
+    formed = re.findall(r"agents (\w+), (\w+): new replica (\d) spanning", log)
+    assert formed == [("near0", "far0", "0"), ("near1", "far1", "1"),
+                      ("near0", "far0", "2")], formed
+    assert "replica-joined" in log
+    far = (logs / "agent-far0.log").read_text()
+    assert f"meeting at {SUBNET}.1:" in far, far[-2000:]

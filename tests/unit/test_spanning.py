@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import pytest
 
+from recover.agent.workers import store_from_here
 from recover.cli.jobargs import UsageError
 from recover.cli.launcher import slots_per_agent
+from recover.common.netaddr import interface_with
 from recover.controller import authz
 from recover.controller.jobstate import JobState
 from recover.proto import pb
@@ -163,3 +165,19 @@ def test_a_local_job_spreads_replicas_or_spans_them(agents, replicas, ranks, slo
 def test_a_local_layout_that_neither_spreads_nor_spans_is_refused(agents, replicas, ranks):
     with pytest.raises(UsageError, match="a replica spanning agents"):
         slots_per_agent(agents, replicas, ranks)
+
+
+@pytest.mark.parametrize(("store", "control_host", "reached"), [
+    ("10.0.0.1:4097", "10.0.0.9", "10.0.0.1:4097"),      # the address the controller saw
+    ("127.0.0.1:4097", "10.0.0.9", "10.0.0.9:4097"),     # its agent beside the controller
+    ("127.0.0.1:4097", "127.0.0.1", "127.0.0.1:4097"),   # all on one host
+    ("[::1]:4097", "10.0.0.9", "10.0.0.9:4097"),
+    ("", "10.0.0.9", ""),                                 # not a spanning replica
+])
+def test_a_spanning_replicas_store_as_each_agent_reaches_it(store, control_host, reached):
+    assert store_from_here(store, control_host) == reached
+
+
+def test_the_interface_of_an_address():
+    assert interface_with("127.0.0.1") == "lo"
+    assert interface_with("203.0.113.9") is None  # TEST-NET-3: on no interface here
