@@ -255,7 +255,10 @@ def run_local(args: argparse.Namespace) -> int:
         for index, slots in enumerate(agent_slots):
             job.start(f"agent-{index}", [
                 python, "-m", "recover.cli.main", "agent",
-                "--controller", relays[index % len(relays)] if relays else address,
+                # Every relay, its own first: should it die, the agent comes back through
+                # another without losing its workers (README "Relays for large jobs").
+                "--controller", ",".join(relays[index % len(relays):]
+                                         + relays[:index % len(relays)]) if relays else address,
                 "--slots", str(slots), "--agent-id", f"host{index}", "--log-dir", str(job.logs),
                 "--max-restarts", str(args.max_restarts),
                 "--restart-window", str(args.restart_window),

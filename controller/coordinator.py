@@ -245,16 +245,16 @@ class Coordinator:
     # ------------------------------------------------------------ agents and workers
 
     async def register_agent(self, agent_id: str, host: str, slots: int,
-                             resume: list[int] | None = None, subject: str = "", *,
-                             peer: str = "", store_port: int = 0) -> list[int]:
-        """A new agent joins (`resume` None), or one whose workers kept running rejoins a
-        new leader. Raises RegistrationRefused (the message says why)."""
+                             resume: list[int] | None = None, subject: str = "", *, peer: str = "",
+                             store_port: int = 0, seen_generation: int = 0) -> list[int]:
+        """A new agent joins (`resume` None), or one whose workers ran on rejoins (a new
+        leader, or this one on a new session). RegistrationRefused says why not."""
         draft = self._draft()
         if resume is None:
             ids = membership.register_agent(draft, agent_id, host, slots, subject, peer, store_port)
         else:
             try:
-                ids = takeover.rejoin(draft, agent_id, host, resume, peer)
+                ids = takeover.rejoin(draft, agent_id, host, resume, peer, seen_generation)
             except RejoinUnexpected:
                 # This refusal fences the agent for good (it stops its workers), so only a
                 # leader that still leads may give it; one that cannot reach its store may be

@@ -189,11 +189,11 @@ class RelayHub(rpc.RelayLinkServicer):
             reader.cancel()
             handler.cancel()
             self._relays.discard(relay)
-            coordinator.events.emit("relay-gone", f"relay {name}: its {len(agents)} agents' "
-                                    "sessions end", level=logging.WARNING)
-            await sessions.sessions_over(coordinator, [
-                (agent_id, outbox, f"session closed (relay {name} gone)")
-                for agent_id, outbox in agents.items()])
+            detached = sessions.sessions_detached(list(agents.items()))
+            coordinator.events.emit(
+                "relay-gone", f"relay {name}: agents detached: {len(detached)} (each is lost "
+                "unless it comes back, through another relay or directly, within "
+                f"{coordinator.agent_timeout_s:.1f}s)", level=logging.WARNING)
 
     async def _relayed(self, coordinator: Coordinator, relay: RelayOutbox,
                        up: pb.RelayUp) -> None:

@@ -212,6 +212,11 @@ class AgentSessions(rpc.AgentSessionServicer):
         the leader."""
         async with self.lock:
             known = coordinator.agents.get(reg.agent_id)
+            if reg.resume and reg.agent_id in self._via_relay and known is not None \
+                    and known.subject == subject:
+                # Its relay died and the leader has not heard yet, and it came back through
+                # another: the new session wins (the old relay's end then leaves it alone).
+                self._unbind(reg.agent_id, self._queues[reg.agent_id])
             verdict = authz.may_register(reg.agent_id, self._queues, subject,
                                          known.subject if known else None)
             if not verdict.allowed:
@@ -226,7 +231,7 @@ class AgentSessions(rpc.AgentSessionServicer):
                 await coordinator.register_agent(
                     reg.agent_id, reg.host, reg.slots,
                     list(reg.replica_ids) if reg.resume else None, subject,
-                    peer=peer, store_port=reg.replica_store_port)
+                    peer=peer, store_port=reg.replica_store_port, seen_generation=reg.generation)
             except RegistrationRefused as refusal:
                 self._unbind(reg.agent_id, outbox)
                 return grpc.StatusCode.FAILED_PRECONDITION, str(refusal)
@@ -250,6 +255,8 @@ class AgentSessions(rpc.AgentSessionServicer):
                             ended: list[tuple[str, Outbox, str]]) -> None:
         """Sessions that ended together (agent, its outbox, why): their agents are lost in one
         transition, so in one new generation."""
+        # A session that is no longer the agent's (it came back on another) ends nothing.
+        ended = [(a, outbox, why) for a, outbox, why in ended if self._queues.get(a) is outbox]
         if coordinator is not self._coordinator or not ended:
             return
         for agent_id, outbox, _ in ended:
@@ -259,6 +266,15 @@ class AgentSessions(rpc.AgentSessionServicer):
                 await coordinator.agents_lost([(agent_id, why) for agent_id, _, why in ended])
             except LostLeadership:
                 self.deposed.set()
+
+    def sessions_detached(self, ended: list[tuple[str, Outbox]]) -> list[str]:
+        """Sessions cut by their relay's death, not their agents': the agents stay in the job,
+        silent, until they come back on another session (`takeover.reattach`) or the failure
+        detector gives them up (the agent timeout). Returns those detached."""
+        detached = [a for a, outbox in ended if self._queues.get(a) is outbox]
+        for agent_id, outbox in ended:
+            self._unbind(agent_id, outbox)
+        return detached
 
     @staticmethod
     def _about(kind: str | None, message: pb.AgentMessage) -> tuple[int, str]:

@@ -16,13 +16,16 @@ that moot:
 3. start a new generation for the step in flight with the plan the workers
    hold (survivors keep what they accumulated; a lost replica's microbatches
    are reassigned), so the step still sums the same M microbatches.
+
+The same leader takes back an agent whose session ended while it lived (its relay died)
+the same way, in small (`reattach`).
 """
 
 from __future__ import annotations
 
 import logging
 
-from recover.controller import joinflow, membership, policy
+from recover.controller import joinflow, losses, membership, policy
 from recover.controller.jobstate import JobState, RegistrationRefused, RejoinUnexpected
 from recover.controller.records import PersistedJob
 from recover.controller.transitions import (
@@ -135,10 +138,13 @@ def restore(d: Draft, persisted: PersistedJob, steps: list[pb.StepRecord],
            "agents to rejoin", step=step, generation=d.v.generation)
 
 
-def rejoin(d: Draft, agent_id: str, host: str, replicas: list[int], peer: str = ""
-           ) -> list[int]:
+def rejoin(d: Draft, agent_id: str, host: str, replicas: list[int], peer: str = "",
+           seen_generation: int = 0) -> list[int]:
     """An agent whose workers kept running reconnects; returns its replica ids."""
     wait = d.v.takeover
+    known = d.v.agents.get(agent_id)
+    if wait is None and known is not None and known.alive:  # this leader never gave it up
+        return reattach(d, agent_id, host, replicas, peer, seen_generation)
     if wait is None:
         raise RejoinUnexpected(f"agent {agent_id!r} cannot rejoin: this leader has run "
                                "the job since it started and did not expect it")
@@ -162,6 +168,42 @@ def rejoin(d: Draft, agent_id: str, host: str, replicas: list[int], peer: str = 
            step=d.v.step, generation=d.v.generation)
     d.send(agent_id, pb.ControllerMessage(
         registered=pb.Registered(replica_ids=agent.replicas, job=d.v.job)))
+    return list(agent.replicas)
+
+
+def reattach(d: Draft, agent_id: str, host: str, replicas: list[int], peer: str,
+             seen_generation: int) -> list[int]:
+    """An agent this leader has not given up comes back on a new session: its relay died,
+    or its link to the leader broke, while its workers trained on (their collectives do not
+    pass through the control plane). Nothing is lost: replicas it no longer runs are; what
+    the leader sent meanwhile went nowhere, so it gets the last commit again and, if it
+    missed a generation, every member a new one with the plan they hold (they keep what
+    they accumulated, as after a takeover)."""
+    agent = d.v.agents[agent_id]
+    d.change_agent(agent_id, host=host, peer=peer or agent.peer)
+    d.emit("agent-reattached", f"agent {agent_id} on {host}: replicas {replicas} kept running "
+           f"(it had seen generation {seen_generation})", step=d.v.step,
+           generation=d.v.generation)
+    d.send(agent_id, pb.ControllerMessage(
+        registered=pb.Registered(replica_ids=agent.replicas, job=d.v.job)))
+    last_record = d.facts.last_record
+    if last_record is not None and d.v.state is JobState.RUNNING:
+        commit = pb.Commit(step=last_record.step, generation=last_record.generation,
+                           final=d.v.step >= d.v.job.steps,
+                           microbatches=last_record.microbatches, tokens=last_record.tokens,
+                           record=last_record)
+        commit.record.ClearField("sample_ids")
+        d.send(agent_id, pb.ControllerMessage(commit=commit))
+    gone = [r for r in d.v.live(agent.replicas) if r not in replicas]
+    for r in gone:
+        record_failure(d, r, "external", None)
+    if gone:  # its workers died while it had no session
+        losses.lose(d, gone, f"agent {agent_id} came back without replicas {gone}")
+    elif d.v.state is JobState.RUNNING and seen_generation < d.v.generation \
+            and set(agent.replicas) & set(d.v.members):
+        new_generation(d, d.v.live(d.v.members), policy.PlanDecision(
+            dict(d.v.plan), f"agent {agent_id} came back having missed generation "
+                            f"{d.v.generation}: members keep their plan"))
     return list(agent.replicas)
 
 

@@ -20,10 +20,15 @@ drifts hit all of them:
   allreduced across replicas once per step). The ratio ReCoVer / torch of the median step
   times is the failure-free cost of ReCoVer (fast mode).
 
+* With `--spanning`: `R x K` (each replica's ranks on one agent) against `R x K spanning`
+  (each replica's K ranks on K agents of one slot, `--agents R*K`: the replica's group met on
+  its rank 0's TCP store, lost as a unit across agents), no torch baseline.
+
 Recovery is kill -> every survivor computes again (the controller's `recovered_s`).
 
     python bench/scripts/sharded.py --rounds 4 --out bench/results/sharded
     python bench/scripts/sharded.py --rounds 4 --example pipeline --out bench/results/sharded-pipeline
+    python bench/scripts/sharded.py --rounds 3 --spanning --out bench/results/sharded-spanning
 """
 
 from __future__ import annotations
@@ -56,9 +61,10 @@ def kills(replicas: int, ranks: int, round_: int) -> list[str]:
 
 
 def run_job(out: Path, replicas: int, ranks: int, faults: list[str],
-            example: str = "hsdp") -> dict[str, Any] | None:
+            example: str = "hsdp", spanning: bool = False) -> dict[str, Any] | None:
     args = [sys.executable, "-m", "recover.cli.main", "run", "--out", str(out), "--quiet",
             "--replicas", str(replicas), "--ranks-per-replica", str(ranks),
+            *(["--agents", str(replicas * ranks)] if spanning else []),
             "--steps", str(STEPS), "-M", "8", "--compute-ms", "20", "--max-restarts", "0",
             *[part for fault in faults for part in ("--kill", fault)],
             "--", "python", str(REPO / "examples" / f"{example}.py")]
@@ -102,30 +108,40 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--example", choices=("hsdp", "pipeline"), default="hsdp",
                         help="what a replica of several ranks runs: FSDP2 or pipeline stages")
+    parser.add_argument("--spanning", action="store_true",
+                        help="2x2 and 4x2 with each replica on one agent and spanning K agents")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    layouts = [(2, 1), (2, 2), (4, 1), (4, 2)]
-    recovered: dict[str, list[float]] = {f"{r}x{k}": [] for r, k in layouts}
-    steps: dict[str, list[float]] = {f"{r}x{k}": [] for r, k in layouts}
-    torch_steps: dict[str, list[float]] = {f"{r}x{k}": [] for r, k in layouts if k > 1}
+    layouts = ([(2, 2, False), (2, 2, True), (4, 2, False), (4, 2, True)] if args.spanning
+               else [(2, 1, False), (2, 2, False), (4, 1, False), (4, 2, False)])
+
+    def named(replicas: int, ranks: int, spanning: bool) -> str:
+        return f"{replicas}x{ranks}" + ("-spanning" if spanning else "")
+
+    recovered: dict[str, list[float]] = {named(*layout): [] for layout in layouts}
+    steps: dict[str, list[float]] = {named(*layout): [] for layout in layouts}
+    torch_steps: dict[str, list[float]] = {named(*layout): [] for layout in layouts
+                                           if layout[1] > 1 and not args.spanning}
     for round_ in range(args.rounds):
-        for replicas, ranks in layouts:
-            name = f"{replicas}x{ranks}"
+        for replicas, ranks, spanning in layouts:
+            name = named(replicas, ranks, spanning)
             print(f"round {round_}: {name}", flush=True)
             killed = run_job(args.out / f"{name}-r{round_}", replicas, ranks,
-                             kills(replicas, ranks, round_), args.example)
+                             kills(replicas, ranks, round_), args.example, spanning)
             if killed is not None:
                 recovered[name] += [f["recovered_s"] for f in killed["failures"]
                                     if f.get("recovered_s")]
-            ref = run_job(args.out / f"{name}-ref-r{round_}", replicas, ranks, [], args.example)
+            ref = run_job(args.out / f"{name}-ref-r{round_}", replicas, ranks, [], args.example,
+                          spanning)
             if ref is not None:
                 steps[name].append(step_time(ref))
-            if ranks > 1 and (baseline := baseline_step(replicas, ranks, args.example)) is not None:
+            if name in torch_steps and \
+                    (baseline := baseline_step(replicas, ranks, args.example)) is not None:
                 torch_steps[name].append(baseline)
     results: dict[str, Any] = {"environment": environment(), "rounds": args.rounds,
-                               "example": args.example, "layouts": {}}
-    for replicas, ranks in layouts:
-        name = f"{replicas}x{ranks}"
+                               "example": args.example, "spanning": args.spanning, "layouts": {}}
+    for layout in layouts:
+        name = named(*layout)
         torch_step = torch_steps.get(name, [])
         results["layouts"][name] = {
             "recovery": summarize(recovered[name]), "recovered_s": recovered[name],

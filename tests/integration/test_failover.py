@@ -159,3 +159,44 @@ def test_agents_behind_a_relay_follow_a_killed_leader_and_the_result_is_exact(
     for agent in ("agent-0", "agent-1"):
         agent_log = (logs / f"{agent}.log").read_text()
         assert agent_log.count("spawned worker") == 2  # its workers kept: none restarted
+
+
+def test_agents_of_a_killed_relay_come_back_through_another_and_nothing_is_lost(
+        tmp_path: Path, reference: dict[str, Any]) -> None:
+    """Why one more job: a rack relay SIGKILLed mid-run (`--relays 2`, each agent given both,
+    its own first). Its agent's workers train on (their collectives do not pass through it);
+    the agent comes back through the other relay before the agent timeout, and the leader,
+    which had only detached it, takes it back: no failure, no restart, bitwise."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(recover_cmd("run", *ARGS, "--relays", "2", "--compute-ms", "30",
+                                        "--job-id", "relay-death", "--out", str(out)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "training did not start"
+            try:
+                if status(out / "controller.port").steps_committed >= 6:
+                    break
+            except (grpc.RpcError, FileNotFoundError, ValueError):
+                pass
+            time.sleep(0.05)
+        relay = subprocess.run(["pgrep", "-f", "--", "--relay-id rack0"], capture_output=True,
+                               text=True).stdout.split()
+        assert len(relay) == 1, relay
+        os.kill(int(relay[0]), signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0, stderr
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=20)
+    summary = json.loads((out / "summary.json").read_text())
+    verdict = compare(reference, summary)
+    assert verdict.identical, verdict.message
+    assert summary["failures"] == []
+    log = (out / "logs" / "controller.log").read_text()
+    assert "relay-gone: relay rack0" in log and "agent-reattached: agent host0" in log, log[-3000:]
+    agent_log = (out / "logs" / "agent-0.log").read_text()
+    assert agent_log.count("spawned worker") == 2  # its two workers kept: none restarted

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
@@ -96,12 +97,15 @@ def test_a_job_through_a_relay_trains_as_it_would_directly(tmp_path: Path,
         processes.stop()
 
 
-def test_a_relay_over_mutual_tls_refuses_impostors_and_its_death_loses_its_agents(
+def test_a_relay_over_mutual_tls_refuses_impostors_and_its_death_detaches_its_agents(
         tmp_path: Path) -> None:
     """Over mutual TLS, as on a cluster: the relay serves its agents with a certificate of the
     relay role and shows it to the controller, which lets no other role speak for agents.
-    The agents are the real agent's session code (`agent.link.open_session`) without
-    workers, so the test costs two processes without torch: the controller and the relay."""
+    When it dies, its agents are detached, not lost: one comes back through a second relay
+    and stays in the job (its workers would have trained on); the other does not and is
+    lost at the agent timeout. The agents are the real agent's session code
+    (`agent.link.open_session`) without workers, so the test costs three processes without
+    torch: the controller and two relays."""
     certs = tmp_path / "certs"
     init_ca(certs, "test CA", 1)
     credentials = {}
@@ -120,29 +124,39 @@ def test_a_relay_over_mutual_tls_refuses_impostors_and_its_death_loses_its_agent
                         *credentials["controller"])
         relay = _relay(processes, tmp_path, address, "rack-b", *credentials["rack-b"])
         relay_process = processes.started[-1]
+        spare_relay = _relay(processes, tmp_path, address, "rack-c", *credentials["rack-b"])
         agent = Security(cert=credentials["host"][1], key=credentials["host"][3],
                          ca=credentials["host"][5])
         reader = (certs / "ops.pem", certs / "ops-key.pem", certs / "ca.pem")
 
         def through_the_relay() -> None:  # `recover status` counts the relay and its agents
             status = _tls_call(address, reader, "Status", pb.StatusRequest())
-            assert (status.relays, status.agents_via_relays, status.agents) == (1, 2, 2)
-            assert "relays      1, carrying 2 agents' sessions" in format_status(status)
+            assert (status.relays, status.agents_via_relays, status.agents) == (2, 2, 2)
+            assert "relays      2, carrying 2 agents' sessions" in format_status(status)
             assert _events(address, "relay-connected", reader)
 
+        def outcome() -> None:  # while x, back through the other relay, keeps beating
+            lost = wait_for(lambda: _events(address, "agent-lost", reader), 15,
+                            "the agent that did not come back declared lost")
+            assert len(lost) == 1 and "agent y: no heartbeat for" in lost[0]["message"], lost
+            back = _events(address, "agent-reattached", reader)
+            assert len(back) == 1 and "agent x" in back[0]["message"], back
+            gone = _events(address, "relay-gone", reader)
+            # x may have come back before the leader saw the relay's stream end: then only y
+            # was still the dead relay's.
+            assert gone and re.search(r"agents detached: [12] ", gone[0]["message"]), gone
+            status = _tls_call(address, reader, "Status", pb.StatusRequest())
+            assert (status.agents, status.relays, status.agents_via_relays) == (1, 1, 1)
+
         asyncio.run(_agents_then_relay_death(address, relay, relay_process.pid, agent,
-                                             through_the_relay))
-        lost = wait_for(lambda: (events := _events(address, "agent-lost", reader))
-                        and len(events) == 2 and events, 15,
-                        "both agents behind the dead relay declared lost")
-        assert all("session closed (relay rack-b gone)" in e["message"] for e in lost), lost
-        assert _events(address, "relay-gone", reader)
+                                             through_the_relay, spare_relay, outcome))
     finally:
         processes.stop()
 
 
 async def _agents_then_relay_death(controller: str, relay: str, relay_pid: int,
-                                   security: Security, check: Callable[[], None]) -> None:
+                                   security: Security, check: Callable[[], None],
+                                   spare_relay: str, outcome: Callable[[], None]) -> None:
     def register(agent_id: str) -> pb.AgentMessage:
         return pb.AgentMessage(register=pb.RegisterAgent(agent_id=agent_id, host="h", slots=1))
 
@@ -176,6 +190,25 @@ async def _agents_then_relay_death(controller: str, relay: str, relay_pid: int,
     for session in (first, second):
         assert await _until_broken(session.call, 10.0) in ("ended", "failed")
         await close_session(session)
+    # x comes back through the other relay, as an agent does on losing its session: a
+    # resume, with the replicas its workers run.
+    back = await open_session([spare_relay], [pb.AgentMessage(register=pb.RegisterAgent(
+        agent_id="x", host="h", slots=1, resume=True,
+        replica_ids=first.registered.replica_ids, term=first.term))],
+        timeout_s=30, security=security)
+    assert list(back.registered.replica_ids) == list(first.registered.replica_ids)
+
+    async def beat() -> None:
+        while True:
+            back.upstream.put_nowait(pb.AgentMessage(heartbeat=pb.Heartbeat(sent_at=time.time())))
+            await asyncio.sleep(0.3)
+
+    beating = asyncio.create_task(beat())
+    try:
+        await asyncio.to_thread(outcome)
+    finally:
+        beating.cancel()
+        await close_session(back)
 
 
 async def _until_broken(call: grpc.aio.StreamStreamCall, within_s: float) -> str:

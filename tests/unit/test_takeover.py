@@ -3,8 +3,10 @@ over, the re-sent commit carries its ledger entry, a resumed job keeps its step 
 
 from __future__ import annotations
 
+import pytest
+
 from recover.controller.coordinator import Coordinator
-from recover.controller.jobstate import JobState
+from recover.controller.jobstate import JobState, RejoinUnexpected
 from recover.controller.policy import PlanDecision, RecoverPolicy
 from recover.controller.records import Records
 from recover.proto import pb
@@ -160,3 +162,52 @@ async def test_reports_of_the_step_in_flight_count_while_the_agents_rejoin():
     await h2.coord.register_agent("a0", "host-a0", 1, resume=[0])
     await h2.coord.reduced(0, h2.reduced_msg(0))  # replica 0 reduced step 1 in generation 1
     assert h2.coord.failures == [] and h2.coord.replicas[0].alive
+
+
+async def running_with_a_commit() -> Harness:
+    h = Harness(make_job(replicas=2, steps=10, m=4))
+    await h.start()
+    await commit(h)
+    return h
+
+
+@scenario
+async def test_an_agent_back_on_a_new_session_keeps_its_workers_and_gets_the_last_commit():
+    # Its relay died (or its link broke) while the leader lived: it was not given up yet.
+    h = await running_with_a_commit()
+    generation, sent = h.coord.generation, len(h.sent)
+    assert await h.coord.register_agent("a1", "host-a1", 1, resume=[1], peer="10.0.0.7",
+                                        seen_generation=generation) == [1]
+    assert h.coord.agents["a1"].alive and h.coord.agents["a1"].peer == "10.0.0.7"
+    assert h.coord.generation == generation and h.coord.members == [0, 1]  # nothing lost
+    again = [(a, m.WhichOneof("kind")) for a, m in h.sent[sent:]]
+    assert again == [("a1", "registered"), ("a1", "commit")]  # its agent drops it if applied
+    assert h.sent[-1][1].commit.step == 0
+    assert "replicas [1] kept running" in h.events("agent-reattached")[0].message
+
+
+@scenario
+async def test_an_agent_that_missed_a_generation_gets_a_new_one_with_the_plan_in_force():
+    h = await running_with_a_commit()
+    plan = dict(h.coord.plan)
+    await h.coord.register_agent("a1", "host-a1", 1, resume=[1],
+                                 seen_generation=h.coord.generation - 1)
+    assert sorted(a for a, _ in h.messages("generation")[-2:]) == ["a0", "a1"]
+    assert dict(h.coord.plan) == plan and h.coord.members == [0, 1]
+    assert h.coord.recoveries == 0
+
+
+@scenario
+async def test_an_agent_back_without_a_replica_loses_only_that_replica():
+    h = await running_with_a_commit()
+    await h.coord.register_agent("a1", "host-a1", 1, resume=[], seen_generation=h.coord.generation)
+    assert not h.coord.replicas[1].alive and h.coord.members == [0]
+    assert h.coord.agents["a1"].alive  # the agent itself is in the job: its slot may restart
+
+
+@scenario
+async def test_an_agent_given_up_cannot_come_back_on_the_same_leader():
+    h = await running_with_a_commit()
+    await h.coord.agent_lost("a1", "no heartbeat for 3.1s")
+    with pytest.raises(RejoinUnexpected):
+        await h.coord.register_agent("a1", "host-a1", 1, resume=[1])
