@@ -75,6 +75,7 @@ def test_a_rejoin_this_leader_did_not_expect_is_refused_only_while_it_leads(monk
     async def body():
         h = Harness(make_job(replicas=2))
         assert await h.coord.register_agent("a", "h", 2) == [0, 1]
+        await h.coord.agent_lost("a", "no heartbeat for 3.1s")  # (alive: it would be taken back)
 
         async def fenced(compares, writes):
             assert (list(compares), list(writes)) == ([], [])
