@@ -10,6 +10,7 @@ is touched.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -45,9 +46,40 @@ _HANDLER_KINDS = {
 }
 
 
-def add_service(server: grpc.aio.Server, servicer: object, service_name: str) -> None:
+class SerializedOnce:
+    """A response serializer for a message the leader sends to many streams in a row: a new
+    generation's view (it lists every member and the plan) or a commit goes to every agent
+    of a direct session, and gRPC serializes each stream's copy on its own: at 12,500
+    agents, N serializations of a message of size N held the leader for 3.3 s per loss
+    (BENCHMARKS.md 5). The same object (and the same term, the one field `send` sets per
+    message) is serialized once; the few most recent are kept, each with a reference that
+    keeps its `id` from being reused."""
+
+    def __init__(self, keep: int = 16) -> None:
+        self._keep = keep
+        self._recent: OrderedDict[int, tuple[Any, int, bytes]] = OrderedDict()
+        self.serialized = 0
+        self.reused = 0
+
+    def __call__(self, message: Any) -> bytes:
+        key, term = id(message), getattr(message, "term", 0)
+        known = self._recent.get(key)
+        if known is not None and known[0] is message and known[1] == term:
+            self.reused += 1
+            return known[2]
+        data: bytes = message.SerializeToString()
+        self.serialized += 1
+        self._recent[key] = (message, term, data)
+        if len(self._recent) > self._keep:
+            self._recent.popitem(last=False)
+        return data
+
+
+def add_service(server: grpc.aio.Server, servicer: object, service_name: str,
+                serializers: dict[str, Callable[[Any], bytes]] | None = None) -> None:
     """Register `servicer`'s methods for the service named in recover.proto, with
-    deserializers that turn bad bytes into `Malformed` rather than an internal error."""
+    deserializers that turn bad bytes into `Malformed` rather than an internal error (and
+    `serializers` for some methods' responses, by name)."""
     service = pb.DESCRIPTOR.services_by_name[service_name]
     handlers = {}
     for method in service.methods:
@@ -56,7 +88,8 @@ def add_service(server: grpc.aio.Server, servicer: object, service_name: str) ->
         make = _HANDLER_KINDS[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = make(getattr(servicer, method.name),
                                      request_deserializer=_lenient(request),
-                                     response_serializer=response.SerializeToString)
+                                     response_serializer=(serializers or {}).get(
+                                         method.name, response.SerializeToString))
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
         service.full_name, handlers),))
 

@@ -129,7 +129,7 @@ async def serve(config: ControllerConfig, job: pb.JobConfig) -> int:
     sessions = AgentSessions(Gate(Authenticator(security) if security.enabled else None))
     control = ControlService(sessions)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *KEEPALIVE_SERVER_OPTIONS])
-    add_service(server, sessions, "AgentSession")
+    add_service(server, sessions, "AgentSession", {"Session": sessions.serializer})
     add_service(server, control, "Control")
     relays = RelayHub(sessions)
     add_service(server, relays, "RelayLink")

@@ -15,7 +15,7 @@ import grpc
 from recover.common.netaddr import is_loopback
 from recover.controller import authz
 from recover.controller.coordinator import Coordinator
-from recover.controller.gate import Gate, Malformed
+from recover.controller.gate import Gate, Malformed, SerializedOnce
 from recover.controller.jobstate import RegistrationRefused
 from recover.controller.leader import LeaderElection, LostLeadership
 from recover.controller.store import StoreError
@@ -93,6 +93,8 @@ class AgentSessions(rpc.AgentSessionServicer):
         """Agents whose relay beats them (it hears the leader for them all: relayed.py)."""
         self.release_hooks: list[Callable[[], None]] = []
         """Called when we stop leading (the relays' streams end too)."""
+        self.serializer = SerializedOnce()
+        """The sessions' response serializer: a broadcast is serialized once, not per agent."""
 
     @property
     def coordinator(self) -> Coordinator | None:

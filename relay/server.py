@@ -39,7 +39,7 @@ import grpc
 from recover.common.netaddr import write_port_file
 from recover.common.security import PLAINTEXT, Authenticator, Security, server_credentials
 from recover.controller import authz
-from recover.controller.gate import Gate, Malformed, add_service
+from recover.controller.gate import Gate, Malformed, SerializedOnce, add_service
 from recover.controller.service import KEEPALIVE_SERVER_OPTIONS
 from recover.proto import pb, rpc
 from recover.relay.upstream import LeaderStream, find_leader
@@ -339,7 +339,8 @@ async def start(config: RelayConfig) -> RunningRelay:
     """Listen for agents and start looking for the leader."""
     relay = Relay(config)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *KEEPALIVE_SERVER_OPTIONS])
-    add_service(server, relay, "AgentSession")
+    # A delivery for several of its agents is one message object: serialized once for all.
+    add_service(server, relay, "AgentSession", {"Session": SerializedOnce()})
     listen = f"{config.host}:{config.port}"
     try:
         port = (server.add_secure_port(listen, server_credentials(config.security))
