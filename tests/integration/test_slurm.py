@@ -137,12 +137,17 @@ def job_end(env: dict[str, str], job_id: str, timeout_s: float) -> tuple[str, st
     pytest.fail(f"Slurm job {job_id} did not end in {timeout_s:.0f}s")
 
 
+@pytest.mark.parametrize("relays", [0, 1], ids=["direct", "through-a-relay"])
 def test_the_batch_script_trains_through_a_killed_worker(slurm: dict[str, str],
-                                                          tmp_path: Path) -> None:
+                                                          tmp_path: Path, relays: int) -> None:
+    """Second run, why: `RECOVER_RELAYS=1` puts a rack relay (its own Slurm step, on the
+    first node, with its certificate from the job's throwaway CA) between both nodes'
+    agents and the controller; the same job and checks must hold through it."""
     out = tmp_path / "out"
     env = dict(slurm, RECOVER_BIN=f"{sys.executable} -m recover.cli.main",
                RECOVER_HOST="127.0.0.1", RECOVER_OUT=str(out), RECOVER_TLS="1",
-               RECOVER_SLOTS="2", RECOVER_AGENT_FLAGS="--max-restarts 1")
+               RECOVER_SLOTS="2", RECOVER_AGENT_FLAGS="--max-restarts 1",
+               RECOVER_RELAYS=str(relays), RECOVER_RELAY_HOST="127.0.0.1")
     submitted = subprocess.run(
         ["sbatch", "--parsable", "--nodes", "2",
          str(REPO / "deploy" / "slurm" / "recover.sbatch"),
@@ -173,3 +178,10 @@ def test_the_batch_script_trains_through_a_killed_worker(slurm: dict[str, str],
     controller = (logs / "controller.log").read_text()
     assert controller.count("slot-filled") == 1, controller[-3000:]
     assert (out / "tls" / "ca.pem").exists() and not (out / "tls" / "ca-key.pem").exists()
+    if relays:
+        assert "relay-connected: relay rack0" in controller, controller[-3000:]
+        assert (out / "tls" / "rack0.pem").exists()
+        # Both nodes' agents hold their session with it (not with the controller's port).
+        relay_port = (out / "rack0.port").read_text().strip()
+        assert agents.count(f"session with the leader at 127.0.0.1:{relay_port} ") == 2, \
+            agents[-3000:]
