@@ -29,6 +29,10 @@ def add_parser(sub: Any) -> None:
     relay.add_argument("--leader-timeout", type=positive_seconds, default=2.0,
                        help="seconds of the leader's silence before the agents are sent to look "
                             "for it again (default %(default)s)")
+    relay.add_argument("--agents-by-token", action="store_true",
+                       help="agents prove themselves with tokens (--token-file) only: --tls-ca "
+                            "checks the controllers but no client certificate is asked of the "
+                            "agents (a controller given a CA asks for one)")
     add_security_arguments(relay)
 
 
@@ -46,6 +50,9 @@ def run(args: argparse.Namespace) -> int:
     if not host:
         raise UsageError(f"--listen {args.listen!r} is not HOST:PORT")
     security = security_from_args(args, "relay")
+    if args.agents_by_token and not security.token_file:
+        raise UsageError("recover relay: --agents-by-token needs --token-file (the agents' "
+                         "tokens, after the relay's own on the first line)")
     if security.tls and not security.cert:
         raise UsageError("recover relay: serving TLS needs --tls-cert and --tls-key (a "
                          "certificate with the relay role: `recover certs issue DIR NAME "
@@ -53,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
     logs.configure("relay")
     config = RelayConfig(controllers=controllers, host=host, port=port, security=security,
                          leader_timeout_s=args.leader_timeout, port_file=args.port_file,
+                         agents_by_token=args.agents_by_token,
                          **({"relay_id": args.relay_id} if args.relay_id else {}))
     try:
         return asyncio.run(serve(config))

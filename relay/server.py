@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import signal
@@ -74,6 +75,15 @@ class RelayConfig:
     """Time for one try at one controller address."""
     port_file: str | None = None
     """Write the listening port here once serving."""
+    agents_by_token: bool = False
+    """Agents prove themselves with tokens only (the Kubernetes recipe's): `security`'s CA
+    checks the controllers, but no client certificate is asked of the agents."""
+
+    @property
+    def agents_security(self) -> Security:
+        """What the relay serves and asks of its agents."""
+        return dataclasses.replace(self.security, ca=None) if self.agents_by_token \
+            else self.security
 
 
 class _Refused:
@@ -92,7 +102,7 @@ class Relay(rpc.AgentSessionServicer):
 
     def __init__(self, config: RelayConfig) -> None:
         self.config = config
-        security = config.security
+        security = config.agents_security
         self.gate = Gate(Authenticator(security) if security.enabled else None)
         self.gate.reject = lambda verdict: log.warning("refused: %s", verdict.reason)
         self.leader: LeaderStream | None = None
@@ -343,7 +353,7 @@ async def start(config: RelayConfig) -> RunningRelay:
     add_service(server, relay, "AgentSession", {"Session": SerializedOnce()})
     listen = f"{config.host}:{config.port}"
     try:
-        port = (server.add_secure_port(listen, server_credentials(config.security))
+        port = (server.add_secure_port(listen, server_credentials(config.agents_security))
                 if config.security.tls else server.add_insecure_port(listen))
     except RuntimeError as exc:
         raise OSError(f"cannot listen on {listen}: {exc}") from None

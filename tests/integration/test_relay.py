@@ -43,6 +43,16 @@ def _relay(processes: Processes, folder: Path, controller: str, name: str, *extr
     return f"127.0.0.1:{port}"
 
 
+def _controller(tmp_path: Path, job_id: str, replicas: int, *credentials: str
+                ) -> tuple[Processes, str]:
+    """A controller process for a job of `replicas` (one microbatch each), and its address."""
+    port = free_port()
+    processes = Processes(tmp_path / "logs")
+    processes.start("controller", "controller", "--port", str(port), "--replicas", str(replicas),
+                    "-M", str(replicas), "--steps", "5", "--job-id", job_id, *credentials)
+    return processes, f"127.0.0.1:{port}"
+
+
 def _tls_call(address: str, reader: tuple[Path, Path, Path], method: str, request: Any) -> Any:
     """A Control RPC over mutual TLS with `reader`'s certificate (cert, key, CA)."""
     cert, key, ca = (p.read_bytes() for p in reader)
@@ -115,13 +125,8 @@ def test_a_relay_over_mutual_tls_refuses_impostors_and_its_death_detaches_its_ag
                           if name in ("controller", "rack-b") else [], 1)
         credentials[name] = ["--tls-cert", str(cert), "--tls-key", str(key),
                              "--tls-ca", str(certs / "ca.pem")]
-    port = free_port()
-    address = f"127.0.0.1:{port}"
-    processes = Processes(tmp_path / "logs")
+    processes, address = _controller(tmp_path, "relay-death", 2, *credentials["controller"])
     try:
-        processes.start("controller", "controller", "--port", str(port), "--replicas", "2",
-                        "-M", "2", "--steps", "5", "--job-id", "relay-death",
-                        *credentials["controller"])
         relay = _relay(processes, tmp_path, address, "rack-b", *credentials["rack-b"])
         relay_process = processes.started[-1]
         spare_relay = _relay(processes, tmp_path, address, "rack-c", *credentials["rack-b"])
@@ -224,3 +229,48 @@ async def _until_broken(call: grpc.aio.StreamStreamCall, within_s: float) -> str
     except TimeoutError:
         pass
     return "open"
+
+
+def test_a_relay_takes_agents_by_token_while_it_checks_the_controller_with_the_ca(
+        tmp_path: Path) -> None:
+    """The Kubernetes recipe's layout: the controller serves TLS and takes tokens (no client
+    certificates), agents hold a token and the CA only. A relay there needs the CA to check
+    the controllers, but must not ask its agents for certificates (`--agents-by-token`; without
+    it the agents' TLS handshake fails); it proves itself upstream with a relay token. Two
+    processes without torch."""
+    certs = tmp_path / "certs"
+    init_ca(certs, "test CA", 1)
+    for name, roles in (("controller", [Role.CONTROLLER]), ("relay", [Role.RELAY])):
+        issue(certs, name, roles, ["127.0.0.1", "localhost"], 1)
+    tokens, relay_tokens, agent_token = (tmp_path / n for n in ("tokens", "relay-tokens",
+                                                                   "agent-token"))
+    tokens.write_text("tok-relay relay rack\ntok-agent agent hosts\n")  # the controller's
+    relay_tokens.write_text("tok-relay\ntok-agent agent hosts\n")  # its own, then the agents'
+    agent_token.write_text("tok-agent\n")
+    for path in (tokens, relay_tokens, agent_token):
+        path.chmod(0o600)
+    processes, address = _controller(tmp_path, "relay-tokens", 1,
+                                     "--tls-cert", str(certs / "controller.pem"),
+                                     "--tls-key", str(certs / "controller-key.pem"),
+                                     "--token-file", str(tokens))
+    try:
+        relay = _relay(processes, tmp_path, address, "rack", "--agents-by-token",
+                       "--tls-cert", str(certs / "relay.pem"),
+                       "--tls-key", str(certs / "relay-key.pem"),
+                       "--tls-ca", str(certs / "ca.pem"), "--token-file", str(relay_tokens))
+        agent = Security(ca=str(certs / "ca.pem"), token_file=str(agent_token))
+
+        async def register() -> None:
+            session = await open_session([relay], [pb.AgentMessage(register=pb.RegisterAgent(
+                agent_id="x", host="h", slots=1))], timeout_s=30, security=agent)
+            assert list(session.registered.replica_ids) == [0]
+            await close_session(session)
+            stranger = Security(ca=str(certs / "ca.pem"))  # the CA, but no token
+            with pytest.raises(LinkError, match="token"):
+                await open_session([relay], [pb.AgentMessage(register=pb.RegisterAgent(
+                    agent_id="y", host="h", slots=1))], timeout_s=10, security=stranger)
+
+        asyncio.run(register())
+        assert "relay-connected" in (tmp_path / "logs" / "controller.log").read_text()
+    finally:
+        processes.stop()

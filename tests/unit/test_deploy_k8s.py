@@ -26,7 +26,7 @@ kubernetes_validate = pytest.importorskip(
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 VERSION = "1.37.0"
-SECRETS = {"recover-etcd-tls", "recover-controller-tls", "recover-tokens"}
+SECRETS = {"recover-etcd-tls", "recover-controller-tls", "recover-relay-tls", "recover-tokens"}
 """Made by hand with `recover certs` (deploy/k8s/README.md says how)."""
 
 
@@ -128,8 +128,17 @@ def test_the_containers_command_lines_are_recovers_own() -> None:
 
     agent = parser.parse_args(container_args("recover-agent", {"POD_IP": "10.0.1.9"}))
     controllers = BY_NAME[("StatefulSet", "recover-controller")]["spec"]["replicas"]
-    assert agent.controller == ",".join(f"recover-controller-{i}.recover-controller:50051"
-                                        for i in range(controllers))
+    named = ",".join(f"recover-controller-{i}.recover-controller:50051"
+                     for i in range(controllers))
+    # The relays' Service first (any relay), then every controller should the relays be gone.
+    relays = BY_NAME[("Service", "recover-relay")]["spec"]["ports"][0]["port"]
+    assert agent.controller == f"recover-relay:{relays}," + named
+    relay = parser.parse_args(container_args("recover-relay", {"POD_IP": "10.0.2.4",
+                                                              "POD_NAME": "recover-relay-0"}))
+    assert relay.controller == named and relay.listen == f"10.0.2.4:{relays}"
+    # Agents prove themselves with tokens: the relay checks the controllers with the CA but
+    # asks its agents for no certificate (they have none), and sends a relay token upstream.
+    assert relay.agents_by_token and relay.tls_ca and relay.token_file == "/tokens/relay"
     # No --agent-id: each start is named after its pod plus a random suffix, so a restarted
     # container or a replaced pod never claims an id the controller already knows.
     assert agent.agent_id is None
