@@ -383,3 +383,26 @@ def test_a_replica_spans_two_network_namespaces_and_rejoins_across_them(
     assert "replica-joined" in log
     far = (logs / "agent-far0.log").read_text()
     assert f"meeting at {SUBNET}.1:" in far, far[-2000:]
+
+
+def test_pipeline_stages_on_two_agents_are_lost_as_a_unit_and_rejoin_bitwise(
+        tmp_path: Path) -> None:
+    """Why one more pair of jobs: pipeline stages spanning agents is the layout of a model
+    too large for one host (3D parallelism), and its stage-to-stage sends cross agents. Each
+    replica's stage 0 on one agent and stage 1 on another; stage 1 killed as the schedule
+    runs: the replica is lost whole, re-formed from the same agents and rejoins stage by
+    stage; every step's parameters are those of the layout on one agent per replica."""
+    layout = ["--replicas", "2", "--ranks-per-replica", "2", "--steps", "12", "-M", "4",
+              "--seed", "5", "--reduce", "exact", "--quiet"]
+    reference = run_recover(tmp_path / "reference", *layout, "--", "python", PIPELINE,
+                            timeout=240)
+    assert reference.returncode == 0, reference.stderr
+    run = run_recover(tmp_path / "spanning", *layout, "--agents", "4", "--compute-ms", "30",
+                      "--kill", "step=3,replica=1,phase=forward,rank=1",
+                      "--", "python", PIPELINE, timeout=240)
+    assert run.returncode == 0, run.stderr
+    assert_bitwise_identical(run.summary, reference.summary)
+    assert [f["replica"] for f in run.summary["failures"]] == [1]
+    assert run.summary["replicas_per_step"][-1] == 2
+    log = (tmp_path / "spanning" / "logs" / "controller.log").read_text()
+    assert len(re.findall(r"new replica \d spanning", log)) == 3 and "replica-joined" in log
