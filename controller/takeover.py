@@ -175,10 +175,12 @@ def reattach(d: Draft, agent_id: str, host: str, replicas: list[int], peer: str,
              seen_generation: int) -> list[int]:
     """An agent this leader has not given up comes back on a new session: its relay died,
     or its link to the leader broke, while its workers trained on (their collectives do not
-    pass through the control plane). Nothing is lost: replicas it no longer runs are; what
-    the leader sent meanwhile went nowhere, so it gets the last commit again and, if it
-    missed a generation, every member a new one with the plan they hold (they keep what
-    they accumulated, as after a takeover)."""
+    pass through the control plane). Nothing is lost: replicas it no longer runs are. What
+    either side sent meanwhile may be gone (the leader's messages went nowhere; its workers'
+    reports may have died in the old relay), so, as after a takeover, it gets the last
+    commit again and every member a new generation with the plan they hold: they keep what
+    they accumulated and report the step anew. Correctness does not depend on which
+    reports made it."""
     agent = d.v.agents[agent_id]
     d.change_agent(agent_id, host=host, peer=peer or agent.peer)
     d.emit("agent-reattached", f"agent {agent_id} on {host}: replicas {replicas} kept running "
@@ -199,11 +201,13 @@ def reattach(d: Draft, agent_id: str, host: str, replicas: list[int], peer: str,
         record_failure(d, r, "external", None)
     if gone:  # its workers died while it had no session
         losses.lose(d, gone, f"agent {agent_id} came back without replicas {gone}")
-    elif d.v.state is JobState.RUNNING and seen_generation < d.v.generation \
+    elif d.v.state is JobState.RUNNING and d.v.step < d.v.job.steps \
             and set(agent.replicas) & set(d.v.members):
+        missed = f" (it missed generation {d.v.generation})" \
+            if seen_generation < d.v.generation else ""
         new_generation(d, d.v.live(d.v.members), policy.PlanDecision(
-            dict(d.v.plan), f"agent {agent_id} came back having missed generation "
-                            f"{d.v.generation}: members keep their plan"))
+            dict(d.v.plan), f"agent {agent_id} came back on a new session{missed}: members "
+                            "keep their plan and report the step anew"))
     return list(agent.replicas)
 
 

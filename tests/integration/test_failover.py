@@ -166,7 +166,8 @@ def test_agents_of_a_killed_relay_come_back_through_another_and_nothing_is_lost(
     """Why one more job: a rack relay SIGKILLed mid-run (`--relays 2`, each agent given both,
     its own first). Its agent's workers train on (their collectives do not pass through it);
     the agent comes back through the other relay before the agent timeout, and the leader,
-    which had only detached it, takes it back: no failure, no restart, bitwise."""
+    which had only detached it, takes it back (a new generation: the step is reported anew,
+    whatever reports died in the relay): no failure, no restart, bitwise."""
     out = tmp_path / "run"
     proc = subprocess.Popen(recover_cmd("run", *ARGS, "--relays", "2", "--compute-ms", "30",
                                         "--job-id", "relay-death", "--out", str(out)),
