@@ -114,13 +114,11 @@ class Agent:
         host, _, port = session.address.rpartition(":")
         self._transfer_host = local_address_towards(host, int(port)) or "127.0.0.1"
         self._control_host = host
-        if resume:
-            # The old leader may have died before persisting these (reports sent
-            # while no leader listened are gone): the new one needs the last
-            # digests, or readiness when the job had not started. No await since
-            # the swap above, so nothing relayed meanwhile is missing.
+        if resume:  # what the leader may not have had (replays.py); no await since the swap
             for report in self._replays.for_new_leader(started=bool(self.generation)):
                 self._send_up(pb.AgentMessage(report=report))
+            for request in self._replays.requests():
+                self._send_up(request)
         return session
 
     async def run(self) -> int:
@@ -366,6 +364,7 @@ class Agent:
                           [fencing.ADDRESSED[kind](message)])
         elif kind == "replica_assigned":
             assigned = message.replica_assigned
+            self._replays.asked.pop(assigned.slot, None)
             if assigned.refused and assigned.retryable:
                 log.info("slot %d: %s; asking again", assigned.slot, assigned.refused)
                 self._tasks.append(asyncio.create_task(self._request_replica(
@@ -375,8 +374,8 @@ class Agent:
                 log.info("slot %d waits: %s", assigned.slot, assigned.refused)
             elif assigned.refused:
                 log.warning("slot %d stays empty: %s", assigned.slot, assigned.refused)
-            else:
-                self._tasks.append(asyncio.create_task(self._spawn(
+            elif assigned.replica not in self.workers and assigned.replica not in self._starting:
+                self._tasks.append(asyncio.create_task(self._spawn(  # (not told again)
                     assigned.slot, assigned.replica, assigned)))
         elif kind == "stop_replica":
             stop_replica(self.workers.get(message.stop_replica.replica),
@@ -386,6 +385,7 @@ class Agent:
     async def _request_replica(self, slot: int, reason: str, delay_s: float) -> None:
         await asyncio.sleep(delay_s)
         if self._shutdown is None:
+            self._replays.asked[slot] = reason
             self._send_up(pb.AgentMessage(replica_request=pb.ReplicaRequest(
                 slot=slot, reason=reason)))
 

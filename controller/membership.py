@@ -60,6 +60,17 @@ def register_agent(d: Draft, agent_id: str, host: str, slots: int,
     return ids
 
 
+def assignment(d: Draft, replica: int, agent_id: str) -> pb.ReplicaAssigned:
+    """What an agent is told to start for `replica` (its part, if the replica spans agents)."""
+    info = d.v.replicas[replica]
+    if not info.satellites:
+        return pb.ReplicaAssigned(slot=info.slot, replica=replica)
+    index = info.agents.index(agent_id)
+    return pb.ReplicaAssigned(slot=info.slot if index == 0 else 0, replica=replica,
+                              first_rank=index * d.v.agents[agent_id].slots,
+                              replica_store=d.v.agents[info.agent_id].replica_store)
+
+
 def replica_request(d: Draft, agent_id: str, request: pb.ReplicaRequest) -> None:
     """An agent's worker died and may be restarted on its slot: a fresh replica id."""
     v = d.v
@@ -99,7 +110,6 @@ def fill_waiting_slots(d: Draft, why: str) -> None:
     waiting = [WaitingSlot(a.agent_id, slot, spans(a.slots, ranks)) for a in v.agents.values()
                if a.alive and a.agent_id not in v.draining for slot in a.waiting]
     for filled in fill_waiting(waiting, capacity(d), why):
-        home = d.v.agents[filled.agent_id]
         d.put_replica(Replica(filled.replica, filled.agent_id, slot=filled.slot,
                               satellites=filled.satellites))
         for index, agent_id in enumerate((filled.agent_id, *filled.satellites)):
@@ -108,9 +118,8 @@ def fill_waiting_slots(d: Draft, why: str) -> None:
             d.change_agent(agent_id, replicas=(*agent.replicas, filled.replica),
                            waiting=tuple(s for s in agent.waiting if s != slot))
             agent_record(d, agent_id)
-            d.send(agent_id, pb.ControllerMessage(replica_assigned=pb.ReplicaAssigned(
-                slot=slot, replica=filled.replica, first_rank=index * agent.slots,
-                replica_store=home.replica_store if filled.satellites else "")))
+            d.send(agent_id, pb.ControllerMessage(
+                replica_assigned=assignment(d, filled.replica, agent_id)))
         d.emit("slot-filled", filled.reason, replica=filled.replica)
 
 

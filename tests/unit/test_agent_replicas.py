@@ -91,3 +91,24 @@ def test_a_replica_still_starting_is_named_to_a_new_leader() -> None:
     registration = agent._registration(resume=True).register
     assert list(registration.replica_ids) == [7] and registration.resume
     assert list(agent._registration(resume=False).register.replica_ids) == []
+
+
+def test_a_request_for_a_replica_without_an_answer_is_asked_again_on_a_new_session() -> None:
+    """The request (or its answer) may be lost with a session (a dead relay): it is asked
+    again on the next until some answer for its slot came; an assignment of a replica the
+    agent runs already (told again) starts nothing."""
+    agent = Agent(AgentConfig(controller="127.0.0.1:1", slots=2))
+
+    async def scenario() -> None:
+        await agent._request_replica(1, "replica 4 exited", 0.0)
+        assert [m.replica_request.slot for m in agent._replays.requests()] == [1]
+        agent._starting.add(9)
+        agent._handle(pb.ControllerMessage(replica_assigned=pb.ReplicaAssigned(slot=1,
+                                                                               replica=9)))
+        assert agent._replays.requests() == [] and agent._tasks == []  # nothing started twice
+        await agent._request_replica(0, "replica 3 exited", 0.0)
+        agent._handle(pb.ControllerMessage(replica_assigned=pb.ReplicaAssigned(
+            slot=0, refused="the job has its replicas", waiting=True)))
+        assert agent._replays.requests() == []  # waiting is an answer: nothing to ask
+
+    asyncio.run(scenario())

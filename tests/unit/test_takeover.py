@@ -222,3 +222,22 @@ async def test_an_agent_given_up_cannot_come_back_on_the_same_leader():
     await h.coord.agent_lost("a1", "no heartbeat for 3.1s")
     with pytest.raises(RejoinUnexpected):
         await h.coord.register_agent("a1", "host-a1", 1, resume=[1])
+
+
+@scenario
+async def test_an_assignment_lost_with_a_session_is_not_a_replica_twice():
+    # A worker's restart: its agent asks for a replica; the answer is lost with its session
+    # (its relay died). Back on a new session it does not list the replica (it never heard
+    # of it) and asks again: the unheard-of replica is lost, never started, and the slot
+    # gets a new one; no slot holds two.
+    h = await running_with_a_commit()
+    await h.coord.worker_exited(pb.WorkerExited(replica=1, signal=9))
+    await h.coord.replica_request("a1", pb.ReplicaRequest(slot=0, reason="restart"))
+    (_, lost_answer), = h.messages("replica_assigned")
+    await h.coord.register_agent("a1", "host-a1", 1, resume=[], seen_generation=0)
+    assert not h.coord.replicas[lost_answer.replica].alive
+    await h.coord.replica_request("a1", pb.ReplicaRequest(slot=0, reason="restart"))
+    again = h.messages("replica_assigned")[-1][1]
+    assert again.replica != lost_answer.replica and not again.refused
+    live_on_a1 = [r for r in h.coord.agents["a1"].replicas if h.coord.replicas[r].alive]
+    assert live_on_a1 == [again.replica]
