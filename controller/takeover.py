@@ -199,10 +199,11 @@ def reattach(d: Draft, agent_id: str, host: str, replicas: list[int], peer: str,
     gone = [r for r in d.v.live(agent.replicas) if r not in replicas]
     for r in gone:
         record_failure(d, r, "external", None)
-    if gone:  # its workers died while it had no session
+    generation = d.v.generation
+    if gone:  # its workers died while it had no session (a member's loss: a new generation)
         losses.lose(d, gone, f"agent {agent_id} came back without replicas {gone}")
-    elif d.v.state is JobState.RUNNING and d.v.step < d.v.job.steps \
-            and set(agent.replicas) & set(d.v.members):
+    if d.v.generation == generation and d.v.state is JobState.RUNNING \
+            and d.v.step < d.v.job.steps and set(d.v.live(agent.replicas)) & set(d.v.members):
         missed = f" (it missed generation {d.v.generation})" \
             if seen_generation < d.v.generation else ""
         new_generation(d, d.v.live(d.v.members), policy.PlanDecision(

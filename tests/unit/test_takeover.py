@@ -241,3 +241,16 @@ async def test_an_assignment_lost_with_a_session_is_not_a_replica_twice():
     assert again.replica != lost_answer.replica and not again.refused
     live_on_a1 = [r for r in h.coord.agents["a1"].replicas if h.coord.replicas[r].alive]
     assert live_on_a1 == [again.replica]
+
+
+@scenario
+async def test_an_agent_back_without_its_spare_still_has_its_member_report_anew():
+    # Losing a spare makes no generation; the agent's member may still have lost a report.
+    h = Harness(make_job(replicas=2, steps=10, m=4))
+    h.job.spares = 1
+    await h.start([("a0", 1), ("a1", 2)])  # a1: member 1 and spare 2
+    await commit(h)
+    generation = h.coord.generation
+    await h.coord.register_agent("a1", "host-a1", 2, resume=[1], seen_generation=generation)
+    assert not h.coord.replicas[2].alive and h.coord.members == [0, 1]
+    assert h.coord.generation == generation + 1
