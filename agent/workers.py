@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import os
 import signal
@@ -18,6 +17,7 @@ from typing import IO
 from recover.agent.attached import AttachedProcess
 from recover.agent.warmstart import ForkedProcess, WarmStarter
 from recover.common import progress
+from recover.common.netaddr import is_loopback
 from recover.proto import pb
 
 log = logging.getLogger("recover.agent")
@@ -257,17 +257,10 @@ def store_from_here(store: str, control_host: str) -> str:
     agent serving it reached the controller (or relay) over loopback: it is on that host,
     which this agent reaches at the address its own session uses."""
     host, _, port = store.rpartition(":")
-    if not store or not _loopback_literal(host.strip("[]")) or not control_host \
-            or _loopback_literal(control_host.strip("[]")):
+    if not store or not is_loopback(host.strip("[]")) or not control_host \
+            or is_loopback(control_host.strip("[]")):
         return store
     return f"{control_host}:{port}"
-
-
-def _loopback_literal(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 @dataclass(frozen=True)

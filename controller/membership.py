@@ -112,14 +112,12 @@ def fill_waiting_slots(d: Draft, why: str) -> None:
     for filled in fill_waiting(waiting, capacity(d), why):
         d.put_replica(Replica(filled.replica, filled.agent_id, slot=filled.slot,
                               satellites=filled.satellites))
-        for index, agent_id in enumerate((filled.agent_id, *filled.satellites)):
-            agent = d.v.agents[agent_id]
-            slot = filled.slot if index == 0 else 0
+        for agent_id in d.v.replicas[filled.replica].agents:
+            agent, assigned = d.v.agents[agent_id], assignment(d, filled.replica, agent_id)
             d.change_agent(agent_id, replicas=(*agent.replicas, filled.replica),
-                           waiting=tuple(s for s in agent.waiting if s != slot))
+                           waiting=tuple(s for s in agent.waiting if s != assigned.slot))
             agent_record(d, agent_id)
-            d.send(agent_id, pb.ControllerMessage(
-                replica_assigned=assignment(d, filled.replica, agent_id)))
+            d.send(agent_id, pb.ControllerMessage(replica_assigned=assigned))
         d.emit("slot-filled", filled.reason, replica=filled.replica)
 
 

@@ -171,6 +171,19 @@ def rejoin(d: Draft, agent_id: str, host: str, replicas: list[int], peer: str = 
     return list(agent.replicas)
 
 
+def last_commit(d: Draft) -> pb.Commit | None:
+    """The commit of the ledger's last step, to send again (a worker still waiting for it
+    applies it; agents drop it for workers that already did)."""
+    record = d.facts.last_record
+    if record is None:
+        return None
+    commit = pb.Commit(step=record.step, generation=record.generation,
+                       final=d.v.step >= d.v.job.steps, microbatches=record.microbatches,
+                       tokens=record.tokens, record=record)
+    commit.record.ClearField("sample_ids")  # as at the first send: workers keep the digest
+    return commit
+
+
 def reattach(d: Draft, agent_id: str, host: str, replicas: list[int], peer: str,
              seen_generation: int) -> list[int]:
     """An agent this leader has not given up comes back on a new session: its relay died,
@@ -188,13 +201,8 @@ def reattach(d: Draft, agent_id: str, host: str, replicas: list[int], peer: str,
            generation=d.v.generation)
     d.send(agent_id, pb.ControllerMessage(
         registered=pb.Registered(replica_ids=agent.replicas, job=d.v.job)))
-    last_record = d.facts.last_record
-    if last_record is not None and d.v.state is JobState.RUNNING:
-        commit = pb.Commit(step=last_record.step, generation=last_record.generation,
-                           final=d.v.step >= d.v.job.steps,
-                           microbatches=last_record.microbatches, tokens=last_record.tokens,
-                           record=last_record)
-        commit.record.ClearField("sample_ids")
+    commit = last_commit(d)
+    if commit is not None and d.v.state is JobState.RUNNING:
         d.send(agent_id, pb.ControllerMessage(commit=commit))
     gone = [r for r in d.v.live(agent.replicas) if r not in replicas]
     for r in gone:
@@ -240,13 +248,8 @@ def finish(d: Draft) -> None:
                level=logging.WARNING)
     if view is None:
         return  # not started: the usual start (every replica ready) takes it from here
-    last_record = d.facts.last_record
-    if last_record is not None:
-        commit = pb.Commit(step=last_record.step, generation=last_record.generation,
-                           final=d.v.step >= d.v.job.steps,
-                           microbatches=last_record.microbatches, tokens=last_record.tokens,
-                           record=last_record)
-        commit.record.ClearField("sample_ids")  # as at the first send: workers keep the digest
+    commit = last_commit(d)
+    if commit is not None:
         broadcast(d, pb.ControllerMessage(commit=commit))
     survivors = d.v.live(view.members)
     if not survivors:

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from recover.common.netaddr import interface_with, local_address_towards
+from recover.common.netaddr import interface_with, is_loopback, local_address_towards
 from recover.proto import pb
 
 REPLICA_GROUP_TIMEOUT = datetime.timedelta(days=7)
@@ -106,7 +106,7 @@ def gloo_interface_towards(where: str) -> Iterator[None]:
         host, _, port = where.removeprefix("tcp://").rpartition(":")
         local = local_address_towards(host.strip("[]"), int(port))
         # Not loopback: the other hosts could not reach it (rank 0 beside the controller).
-        interface = interface_with(local) if local and not local.startswith("127.") else None
+        interface = interface_with(local) if local and not is_loopback(local) else None
     if interface is None:
         yield
         return
