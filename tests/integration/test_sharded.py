@@ -169,9 +169,12 @@ def test_a_replica_spanning_agents_is_lost_as_a_unit_and_rejoins_bitwise(
     without rank 0, then rank 0 of the other replica SIGSTOPped (its agent's watchdog kills
     it): each time the controller stops the replica's part on the other agent, both agents
     form a new replica that joins rank by rank across them, and every step's parameters
-    are the one-agent-per-replica run's, bit for bit."""
-    run = run_recover(tmp_path / "spanning", *REJOIN_LAYOUT, "--agents", "4",
-                      "--compute-ms", "30",
+    are the one-agent-per-replica run's, bit for bit. Then the job resumed from one of its
+    checkpoints (each set's rank-1 file written on another agent than its head), spanning
+    agents again: bitwise the same run."""
+    spanning = ["--agents", "4", "--compute-ms", "30"]
+    checkpoints = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "8"]
+    run = run_recover(tmp_path / "spanning", *REJOIN_LAYOUT, *spanning, *checkpoints,
                       "--kill", "step=2,replica=1,phase=backward,rank=1",
                       "--kill", "step=12,replica=0,phase=stop",
                       "--", "python", EXAMPLE, timeout=240)
@@ -203,6 +206,22 @@ def test_a_replica_spanning_agents_is_lost_as_a_unit_and_rejoins_bitwise(
     pids = pids_by_replica(logs)
     assert sorted(pids) == [0, 1, 2, 3] and all(len(p) == 2 for p in pids.values())
     assert not [pid for ranks in pids.values() for pid in ranks if alive(pid)]
+
+    # The oldest set kept (the 3 newest of every 8th step: after both failures and rejoins,
+    # whichever a write still running made skip) is whole, and a resume from it in the same
+    # layout trains the remaining steps bitwise.
+    heads = sorted(p for p in (tmp_path / "ckpt").iterdir() if ckptfile.NAME.match(p.name))
+    steps = [int(ckptfile.NAME.match(h.name)[1]) for h in heads]
+    assert len(steps) >= 2 and all(s % 8 == 0 and s > 12 for s in steps), steps
+    assert ckptfile.rank_file(heads[0], 1).exists()
+    resumed = run_recover(tmp_path / "resumed", *REJOIN_LAYOUT, *spanning,
+                          "--checkpoint-dir", str(tmp_path / "ckpt-resumed"),
+                          "--checkpoint-every", "8", "--resume", str(heads[0]),
+                          "--", "python", EXAMPLE, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr
+    assert_bitwise_identical(resumed.summary, rejoin_reference.summary)
+    resumed_log = (tmp_path / "resumed" / "logs" / "controller.log").read_text()
+    assert len(re.findall(r"new replica \d spanning", resumed_log)) == 2, resumed_log[-3000:]
 
 
 def test_hsdp_batchnorm_buffers_stay_bitwise_through_a_rank_lost_and_a_rejoin(
