@@ -42,6 +42,9 @@ NO_RESTARTS = ["--max-restarts", "0"]  # the lost replicas stay lost: see the re
 FAULTS = ["step=1,replica=1,phase=backward,rank=1",  # inside FSDP's reduce-scatter hook
           "step=3,replica=2,phase=reduce",            # rank 0, in the cross-replica reduce
           "step=4,replica=0,phase=forward,rank=1"]    # the last replica: a total loss
+# Count-balanced plans, so the slow replica keeps a share to give away at every step.
+STEALING = ["--work-stealing", "--policy", "recover", "--compute-ms", "30",
+            "--slowdown", "replica=1,factor=4,from_step=1"]
 PIPELINE_FAULTS = ["step=1,replica=1,phase=forward",           # stage 0, as the schedule starts
                    "step=3,replica=2,phase=stop,rank=1"]       # SIGSTOP: the watchdog kills it
 
@@ -59,10 +62,18 @@ def pids_by_replica(logs: Path) -> dict[int, list[int]]:
 def test_hsdp_exact_is_bitwise_through_a_rank_lost_in_each_phase_and_a_resume(
         tmp_path: Path) -> None:
     """Every replica lost, one per phase (the last one a total loss), then the job resumed
-    from its newest checkpoint: a set of one file per rank, each rank's shards."""
-    reference = run_recover(tmp_path / "reference", *LAYOUT, "--", "python", EXAMPLE,
-                            "--save", str(tmp_path / "reference.pt"), timeout=240)
+    from its newest checkpoint: a set of one file per rank, each rank's shards. The
+    failure-free run it is compared with steals work: replica 1 is 4x slower, and the
+    others take its unstarted microbatches (rank 0 answers the Release for its replica,
+    both ranks drop the same microbatches), so both ways of splitting a step are checked
+    against each other, bit for bit."""
+    reference = run_recover(tmp_path / "reference", *LAYOUT, *STEALING, "--", "python",
+                            EXAMPLE, "--save", str(tmp_path / "reference.pt"), timeout=240)
     assert reference.returncode == 0, reference.stderr
+    assert reference.summary["work_stealing"] and sum(reference.summary["stolen_per_step"]) > 0
+    loads = reference.summary["microbatches_by_replica_per_step"]
+    assert all(sum(step.values()) == 6 for step in loads)
+    assert any(step.get("1", 2) < 2 for step in loads[1:])  # the slow one gave some away
     checkpoints = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "1"]
     killed = run_recover(tmp_path / "killed", *LAYOUT, *NO_RESTARTS, *checkpoints,
                          *[part for fault in FAULTS for part in ("--kill", fault)],
