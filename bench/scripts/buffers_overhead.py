@@ -5,20 +5,55 @@ replica's own, outside it), alternating, several rounds, in fast and exact mode.
 steps (no emulated compute): the reduction's share is the largest there.
 
     python bench/scripts/buffers_overhead.py --rounds 5 --out bench/results/buffers-overhead
+
+`--pin` gives each worker a core of its own (slot k on core k mod the cores, every thread
+of it, re-applied while the job runs), the control plane floating: whether the buffers'
+job-level cost comes from two replicas' small ops sharing the cores.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import statistics
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from recover.bench.overhead import median_step_s
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "batchnorm.py"
+
+
+SPAWNED = re.compile(r"spawned worker pid (\d+) on slot (\d+)")
+
+
+def pin_workers(logs: Path, done: threading.Event) -> None:
+    """Until `done`: every worker the agents' logs name, all its threads, on core slot mod
+    the cores (threads started later are caught by the next pass)."""
+    cores = sorted(os.sched_getaffinity(0))
+    while not done.wait(0.05):
+        for log in logs.glob("agent-*.log"):
+            for pid, slot in SPAWNED.findall(log.read_text()):
+                try:
+                    for tid in os.listdir(f"/proc/{pid}/task"):
+                        os.sched_setaffinity(int(tid), {cores[int(slot) % len(cores)]})
+                except OSError:
+                    pass  # ended, or a thread that ended between listing and pinning
+
+
+def run_job(command: list[str], logs: Path, pin: bool) -> subprocess.CompletedProcess[str]:
+    done = threading.Event()
+    pinner = threading.Thread(target=pin_workers, args=(logs, done), daemon=True)
+    if pin:
+        pinner.start()
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=600)
+    finally:
+        done.set()
 
 
 def main() -> None:
@@ -29,6 +64,8 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=2,
                         help="1: the buffers' own cost, without a second worker on the cores")
     parser.add_argument("--modes", default="fast,exact")
+    parser.add_argument("--pin", action="store_true",
+                        help="each worker on a core of its own (slot k: core k mod cores)")
     parser.add_argument("--out", default="runs/buffers-overhead")
     args = parser.parse_args()
     out = Path(args.out)
@@ -40,12 +77,12 @@ def main() -> None:
         order = variants[round_ % len(variants):] + variants[:round_ % len(variants)]
         for mode, buffers in order:
             run = out / f"r{round_}-{mode}-{buffers}"
-            done = subprocess.run(
+            done = run_job(
                 [sys.executable, "-m", "recover.cli.main", "run", "--out", str(run), "--quiet",
                  "--no-plot", "--replicas", str(args.replicas), "--steps", str(args.steps), "-M", "4",
                  "--seed", "1", "--reduce", mode, "--",
                  "python", str(EXAMPLE), "--buffers", buffers, "--width", str(args.width)],
-                capture_output=True, text=True, timeout=600)
+                run / "logs", args.pin)
             if done.returncode != 0:
                 raise SystemExit(f"{run}: {done.stderr[-2000:]}")
             summary = json.loads((run / "summary.json").read_text())
@@ -65,7 +102,7 @@ def main() -> None:
     (out / "results.json").write_text(json.dumps({
         "rounds": results, "median_s": median, "reduce_vs_local": ratios,
         "per_round": per_round, "target": 1.02, "steps": args.steps, "width": args.width,
-        "replicas": args.replicas},
+        "replicas": args.replicas, "pinned": args.pin},
         indent=2) + "\n")
 
 
