@@ -6,7 +6,7 @@ steps (no emulated compute): the reduction's share is the largest there.
 
     python bench/scripts/buffers_overhead.py --rounds 5 --out bench/results/buffers-overhead
 
-`--pin` gives each worker a core of its own (slot k on core k mod the cores, every thread
+`--pin` gives each worker a core of its own (replica k on core k mod the cores, every thread
 of it, re-applied while the job runs), the control plane floating: whether the buffers'
 job-level cost comes from two replicas' small ops sharing the cores.
 """
@@ -28,19 +28,19 @@ from recover.bench.overhead import median_step_s
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "batchnorm.py"
 
 
-SPAWNED = re.compile(r"spawned worker pid (\d+) on slot (\d+)")
+SPAWNED = re.compile(r"spawned worker pid (\d+) on slot .*replica=(\d+)")
 
 
 def pin_workers(logs: Path, done: threading.Event) -> None:
-    """Until `done`: every worker the agents' logs name, all its threads, on core slot mod
-    the cores (threads started later are caught by the next pass)."""
+    """Until `done`: every worker the agents' logs name, all its threads, on core replica
+    mod the cores (threads started later are caught by the next pass)."""
     cores = sorted(os.sched_getaffinity(0))
     while not done.wait(0.05):
         for log in logs.glob("agent-*.log"):
-            for pid, slot in SPAWNED.findall(log.read_text()):
+            for pid, replica in SPAWNED.findall(log.read_text()):
                 try:
                     for tid in os.listdir(f"/proc/{pid}/task"):
-                        os.sched_setaffinity(int(tid), {cores[int(slot) % len(cores)]})
+                        os.sched_setaffinity(int(tid), {cores[int(replica) % len(cores)]})
                 except OSError:
                     pass  # ended, or a thread that ended between listing and pinning
 
@@ -65,7 +65,7 @@ def main() -> None:
                         help="1: the buffers' own cost, without a second worker on the cores")
     parser.add_argument("--modes", default="fast,exact")
     parser.add_argument("--pin", action="store_true",
-                        help="each worker on a core of its own (slot k: core k mod cores)")
+                        help="each worker on a core of its own (replica k: core k mod cores)")
     parser.add_argument("--out", default="runs/buffers-overhead")
     args = parser.parse_args()
     out = Path(args.out)
