@@ -63,6 +63,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=8, help="the example's channel width")
     parser.add_argument("--replicas", type=int, default=2,
                         help="1: the buffers' own cost, without a second worker on the cores")
+    parser.add_argument("-M", "--microbatches", type=int, default=4,
+                        help="the job's M (the demo's: 16 over 4 replicas)")
     parser.add_argument("--modes", default="fast,exact")
     parser.add_argument("--pin", action="store_true",
                         help="each worker on a core of its own (replica k: core k mod cores)")
@@ -79,8 +81,8 @@ def main() -> None:
             run = out / f"r{round_}-{mode}-{buffers}"
             done = run_job(
                 [sys.executable, "-m", "recover.cli.main", "run", "--out", str(run), "--quiet",
-                 "--no-plot", "--replicas", str(args.replicas), "--steps", str(args.steps), "-M", "4",
-                 "--seed", "1", "--reduce", mode, "--",
+                 "--no-plot", "--replicas", str(args.replicas), "--steps", str(args.steps),
+                 "-M", str(args.microbatches), "--seed", "1", "--reduce", mode, "--",
                  "python", str(EXAMPLE), "--buffers", buffers, "--width", str(args.width)],
                 run / "logs", args.pin)
             if done.returncode != 0:
@@ -102,7 +104,7 @@ def main() -> None:
     (out / "results.json").write_text(json.dumps({
         "rounds": results, "median_s": median, "reduce_vs_local": ratios,
         "per_round": per_round, "target": 1.02, "steps": args.steps, "width": args.width,
-        "replicas": args.replicas, "pinned": args.pin},
+        "replicas": args.replicas, "microbatches": args.microbatches, "pinned": args.pin},
         indent=2) + "\n")
 
 
