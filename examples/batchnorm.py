@@ -36,6 +36,8 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--width", type=int, default=8)
 parser.add_argument("--buffers", choices=["reduce", "local"], default="reduce")
 parser.add_argument("--eval-out", default="")
+parser.add_argument("--eval-every", type=int, default=1,
+                    help="evaluate after every N-th committed step (0: never)")
 parser.add_argument("--save", default="", help="write the final state_dict here")
 parser.add_argument("--pipeline", action="store_true",
                     help="several ranks per replica: pipeline stages instead of FSDP2 shards")
@@ -131,7 +133,7 @@ def buffers_digest() -> str:
 
 def evaluate(info: rt.StepInfo) -> None:
     """On the first replica only: eval mode uses (and leaves) the running statistics."""
-    if not info.is_first_replica:
+    if not info.is_first_replica or not args.eval_every or (info.step + 1) % args.eval_every:
         return
     if schedule is not None:  # a stage cannot evaluate the model alone: its buffers only
         if args.eval_out:

@@ -65,6 +65,8 @@ def main() -> None:
                         help="1: the buffers' own cost, without a second worker on the cores")
     parser.add_argument("-M", "--microbatches", type=int, default=4,
                         help="the job's M (the demo's: 16 over 4 replicas)")
+    parser.add_argument("--eval-every", type=int, default=1,
+                        help="the example's eval on the first replica every N steps (0: none)")
     parser.add_argument("--modes", default="fast,exact")
     parser.add_argument("--pin", action="store_true",
                         help="each worker on a core of its own (replica k: core k mod cores)")
@@ -83,7 +85,8 @@ def main() -> None:
                 [sys.executable, "-m", "recover.cli.main", "run", "--out", str(run), "--quiet",
                  "--no-plot", "--replicas", str(args.replicas), "--steps", str(args.steps),
                  "-M", str(args.microbatches), "--seed", "1", "--reduce", mode, "--",
-                 "python", str(EXAMPLE), "--buffers", buffers, "--width", str(args.width)],
+                 "python", str(EXAMPLE), "--buffers", buffers, "--width", str(args.width),
+                 "--eval-every", str(args.eval_every)],
                 run / "logs", args.pin)
             if done.returncode != 0:
                 raise SystemExit(f"{run}: {done.stderr[-2000:]}")
@@ -104,7 +107,8 @@ def main() -> None:
     (out / "results.json").write_text(json.dumps({
         "rounds": results, "median_s": median, "reduce_vs_local": ratios,
         "per_round": per_round, "target": 1.02, "steps": args.steps, "width": args.width,
-        "replicas": args.replicas, "microbatches": args.microbatches, "pinned": args.pin},
+        "replicas": args.replicas, "microbatches": args.microbatches, "pinned": args.pin,
+        "eval_every": args.eval_every},
         indent=2) + "\n")
 
 
