@@ -139,7 +139,7 @@ def evaluate(info: rt.StepInfo) -> None:
                 out.write(json.dumps({"step": info.step, "rank": job.replica_rank,
                                       "buffers_sha256": buffers_digest()}) + "\n")
         return
-    import time as _t, resource as _r
+    import time as _t
     _a, _c = _t.perf_counter(), _t.thread_time()
     model.eval()  # sharded: every rank of the replica runs it (FSDP gathers the parameters)
     with torch.no_grad():
