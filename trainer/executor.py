@@ -135,8 +135,8 @@ class StepExecutor(JoinSteps):
         self._adopt_plan(plan)
         self.state.reduced = None  # reduced in an older generation: discard, reduce again
         started = time.monotonic()
-        # With the line after the build, this splits a slow rebuild into the wait for this
-        # thread and the group's own build.
+        # With "group met in" (logged when the reduction first needs the group), this splits
+        # a slow rebuild into the wait for this thread and the group's own meeting.
         log.info("generation %d: building its group", view.generation, extra=self._ctx())
         host, _, port = view.rendezvous.rpartition(":")
         group = self.build_group(GroupSpec(
@@ -147,16 +147,8 @@ class StepExecutor(JoinSteps):
         self._install_group(group)
         if recovering:
             self.hooks.on_rebuild(self.state.step)
-        try:
-            group.connect()
-        except CollectiveAborted as exc:
-            log.warning("rebuild of generation %d aborted: %s", view.generation, exc,
-                        extra=self._ctx())
-            self._install_group(None)
+        if not self._meet(group, started):
             return
-        self.channel.send(pb.WorkerReport(resumed=pb.Resumed(
-            generation=view.generation, step=self.state.step, at=time.time(),
-            rebuild_s=time.monotonic() - started)))
         log.info("generation %d: %d members, my microbatches %s", view.generation,
                  len(self.members), self.state.assigned, extra=self._ctx())
 
@@ -221,6 +213,8 @@ class StepExecutor(JoinSteps):
             generation=self.generation, step=s.step, done=s.done, last_s=last_s)))
 
     def _compute(self, microbatch: int) -> None:
+        if self._resumed_at is not None:
+            self._say_resumed()
         if self.beacon is not None:
             self.beacon.compute_started()
         self._compute_microbatch(microbatch)
@@ -262,6 +256,8 @@ class StepExecutor(JoinSteps):
         if early is None or s.open or self.lockstep is not None or position != len(s.assigned) - 1 \
                 or group is None or group.aborted:
             return False
+        if self._meeting is not None and not self._meeting.met:
+            return False  # still meeting: this step reduces after the backward instead
         early.hook(group, s.step, position + 1)
         return True
 
@@ -273,9 +269,12 @@ class StepExecutor(JoinSteps):
         hooked = self.early.take(group, s.step, len(s.done)) if self.early is not None else None
         buffers = hooked.buffers if hooked is not None else self.accumulator.buffers()
         self.hooks.before_reduce(s.step)
-        failure = None if group is not None else f"no group of generation {self.generation}"
+        failure = self._met(group) if group is not None \
+            else f"no group of generation {self.generation}"
         try:
-            if hooked is not None and self.early is not None:
+            if failure is not None:
+                pass
+            elif hooked is not None and self.early is not None:
                 self.early.finish(hooked)  # its pieces started during the last backward
             else:
                 for view in self.accumulator.schedule(buffers) if group is not None else []:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,13 @@ from recover.trainer.checkpoint import load as load_checkpoint
 from recover.trainer.destinations import OwnTensors
 from recover.trainer.errors import contract_error
 from recover.trainer.gradients import GradientBuckets
-from recover.trainer.groups import CrossReplicaGroup, GroupFactory, build_group
+from recover.trainer.groups import (
+    CollectiveAborted,
+    CrossReplicaGroup,
+    GroupFactory,
+    build_group,
+)
+from recover.trainer.groups.meeting import Meeting
 from recover.trainer.hooks import StepHooks
 from recover.trainer.joining import Donation
 from recover.trainer.overlap import EarlyReduction
@@ -64,6 +71,10 @@ class ExecutorBase(ABC):
         self.generation = 0
         self.members: list[int] = []
         self.group: CrossReplicaGroup | None = None
+        self._meeting: Meeting | None = None
+        """The current group's meeting while it runs beside the step's compute (meeting.py)."""
+        self._resumed_at: float | None = None
+        """When this member entered a generation it has not yet said it resumed in."""
         self.state = StepState(step=first_step)
         self.finished = False
         self.steps_applied = 0
@@ -141,6 +152,48 @@ class ExecutorBase(ABC):
         if old is not None:
             old.abort()
             old.close()
+
+    def _meet(self, group: CrossReplicaGroup, entered: float) -> bool:
+        """Meet the generation's other members: on a thread beside the step's compute where
+        the group allows it (meeting.py: the reduction waits for it), else here. False: the
+        group failed to meet here, and was dropped."""
+        self._meeting, self._resumed_at = None, entered
+        if group.meets_in_background:
+            self._meeting = Meeting(group)  # resumed: with the next microbatch, or once met
+            return True
+        try:
+            group.connect()
+        except CollectiveAborted as exc:
+            log.warning("rebuild of generation %d aborted: %s", group.spec.generation, exc,
+                        extra=self._ctx())
+            self._install_group(None)
+            return False
+        self._say_resumed()
+        return True
+
+    def _say_resumed(self) -> None:
+        """Tell the controller this member works on the generation's step again: computing,
+        or (with nothing to compute) its group met."""
+        if self._resumed_at is None:
+            return
+        self.channel.send(pb.WorkerReport(resumed=pb.Resumed(
+            generation=self.generation, step=self.state.step, at=time.time(),
+            rebuild_s=time.monotonic() - self._resumed_at)))
+        self._resumed_at = None
+
+    def _met(self, group: CrossReplicaGroup) -> str | None:
+        """Wait for `group`'s meeting, if it is still meeting: None once it is usable, else
+        why it is not (a failure of the step's reduction, handled as one)."""
+        meeting = self._meeting
+        if meeting is None or meeting.group is not group:
+            return None
+        failure = meeting.wait()
+        if failure is None:
+            log.info("generation %d: group met in %.1f ms", group.spec.generation,
+                     (meeting.took_s or 0.0) * 1000, extra=self._ctx())
+            self._meeting = None
+            self._say_resumed()
+        return failure
 
     # ------------------------------------------------------------ the state
 

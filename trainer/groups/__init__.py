@@ -77,6 +77,9 @@ class CrossReplicaGroup(Protocol):
     """
 
     spec: GroupSpec
+    meets_in_background: bool
+    """connect() may run on a thread of its own while the worker computes (groups/meeting.py):
+    nothing it sets up is bound to the thread that calls it."""
 
     @property
     def aborted(self) -> bool:

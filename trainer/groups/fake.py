@@ -197,6 +197,8 @@ class FakeWorld:
 class FakeGroup:
     """One member's view of a `FakeWorld` (a `CrossReplicaGroup`)."""
 
+    meets_in_background = True
+
     def __init__(self, world: FakeWorld, spec: GroupSpec) -> None:
         self.world = world
         self.spec = spec

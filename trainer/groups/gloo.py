@@ -180,6 +180,8 @@ class GenerationGroup:
     path is then tested where there is no device.
     """
 
+    meets_in_background = True  # connect() already builds on a helper thread of its own
+
     def __init__(self, spec: GroupSpec, *, staging: HostStaging | None = None,
                  force_staging: bool = False) -> None:
         graveyard.purge()  # groups of earlier generations whose given-up operations ended

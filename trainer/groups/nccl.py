@@ -40,6 +40,10 @@ def nccl_available() -> bool:
 class NcclGroup:
     """One generation's NCCL group (a `CrossReplicaGroup`) on this process's current GPU."""
 
+    # The current GPU is a per-thread setting: a communicator made on another thread would
+    # be made for that thread's device. Not tried on a GPU since: connect where it is called.
+    meets_in_background = False
+
     def __init__(self, spec: GroupSpec, device: torch.device | None = None) -> None:
         if not nccl_available():
             raise RuntimeError("the NCCL group needs a CUDA build of torch with NCCL and a "
