@@ -19,14 +19,17 @@ Two views of the same failures:
   resumption form one recovery; its time splits into
   detect (first kill -> controller knows), plan (-> the new generation's
   broadcast, including any interrupted attempt when a second replica died
-  during recovery), rebuild (-> every survivor computes again: plan
-  delivery and the gloo group of the new generation), recompute (-> the
+  during recovery), rebuild (-> every survivor is back at the step's work:
+  plan delivery, then its next microbatch, or, with none left to compute, the
+  gloo group of the new generation, which meets on a thread beside the
+  compute: trainer/groups/meeting.py), recompute (-> the
   controller commits the step: the lost microbatches, the reduction and the
   reports) and commit (the median replica's commit round trip, reduced
   reported -> commit received; it overlaps recompute by one one-way message).
   detect + plan + rebuild = kill -> computing again. Same definitions as the
   controller's `recover_recovery_seconds` histogram, except rebuild, which
-  the controller takes from the workers' own group build time.
+  the controller takes from the workers' own time from the new generation to
+  being back at work.
 """
 
 from __future__ import annotations
