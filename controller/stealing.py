@@ -67,21 +67,15 @@ class Member:
         """Its seconds per microbatch from here on: its last speed, or longer if its current
         microbatch has already taken longer (a replica slowing down mid-step, or one not
         measured yet)."""
-        if self.idle:
-            return self.seconds_per_mb
-        return max(self.seconds_per_mb, now - self.since)
+        return _seen(self, now).pace
 
     def boundary(self, now: float) -> float:
         """When its current microbatch ends: where it next reads a command."""
-        if self.idle:
-            return now
-        return max(self.since + self.seconds_per_mb, now)
+        return _seen(self, now).boundary
 
     def finish(self, now: float) -> float:
         """When it will have done its share, at its current pace."""
-        if self.idle:
-            return now
-        return self.boundary(now) + (len(self.share) - self.done - 1) * self.pace(now)
+        return _seen(self, now).finish
 
     @property
     def unstarted(self) -> tuple[int, ...]:
@@ -130,13 +124,13 @@ class _Seen:
 
 
 def _seen(member: Member, now: float) -> _Seen:
-    """Member.finish, pace and boundary at `now`, in one pass (called for every member of
-    every decision)."""
+    """A member's pace, boundary and finish at `now` (the one place they are computed), in
+    one pass: a decision makes one for every member."""
     if member.idle:
         return _Seen(member, now, member.seconds_per_mb, now)
     since, per_mb = member.since, member.seconds_per_mb
-    pace = now - since if now - since > per_mb else per_mb
-    boundary = since + per_mb if since + per_mb > now else now
+    pace = max(per_mb, now - since)
+    boundary = max(since + per_mb, now)
     return _Seen(member, boundary + (member.left - 1) * pace, pace, boundary)
 
 

@@ -271,16 +271,15 @@ class StepExecutor(JoinSteps):
         self.hooks.before_reduce(s.step)
         failure = self._met(group) if group is not None \
             else f"no group of generation {self.generation}"
-        try:
-            if failure is not None:
-                pass
-            elif hooked is not None and self.early is not None:
-                self.early.finish(hooked)  # its pieces started during the last backward
-            else:
-                for view in self.accumulator.schedule(buffers) if group is not None else []:
-                    group.allreduce_sum_(view)
-        except CollectiveAborted as exc:
-            failure = str(exc)
+        if failure is None and group is not None:
+            try:
+                if hooked is not None and self.early is not None:
+                    self.early.finish(hooked)  # its pieces started during the last backward
+                else:
+                    for view in self.accumulator.schedule(buffers):
+                        group.allreduce_sum_(view)
+            except CollectiveAborted as exc:
+                failure = str(exc)
         reduced = self.accumulator.finish(buffers) if failure is None else None
         tokens = s.tokens
         if self.lockstep is not None:
