@@ -17,7 +17,9 @@
 #     through pinned host memory:
 #     - exact: failure-free vs a replica killed in backward, whose restarted worker (forked
 #       from the agent's warm interpreter, CUDA first touched in the child) rejoins by state
-#       transfer; checkpoints of CUDA state written and exported (bitwise verdict);
+#       transfer; checkpoints of CUDA state written and exported; the killed run's sums
+#       reduced in pieces during the last backward (--overlap-piece-kb 64: a real model's
+#       are 25 MB), the failure-free one's after it (bitwise verdict);
 #     - fast: the same kill with a hot spare and mutual TLS (the spare promoted, the
 #       restarted worker's state sent over TLS);
 #     - BatchNorm buffers reduced (examples/batchnorm.py), exact, through a kill (bitwise
@@ -85,8 +87,9 @@ echo "== 2 replicas x 1 rank on $GPUS GPU(s), exact: a kill, the restarted worke
 run exact-ref --replicas 2 --reduce exact "${JOB[@]}" -- python examples/hsdp.py
 rm -rf "${OUT:?}/ckpt"
 run exact-killed --replicas 2 --reduce exact "${JOB[@]}" --kill step=3,replica=1,phase=backward \
-  --checkpoint-dir "$OUT/ckpt" --checkpoint-every 8 -- python examples/hsdp.py
+  --checkpoint-dir "$OUT/ckpt" --checkpoint-every 8 --overlap-piece-kb 64 -- python examples/hsdp.py
 verdict exact-ref exact-killed
+grep -h "pieces started reducing" "$OUT/exact-killed/logs/"*.log | sed 's/.*msg="//; s/".*//' | sort -u
 "$PY" -m recover.cli.main export "$OUT/ckpt" "$OUT/exported.pt"
 "$PY" -c "
 import sys, torch

@@ -51,11 +51,10 @@ def add_range(part: ExactBucket, start: int, end: int) -> None:
 def exact_pieces(parts: list[ExactBucket], piece_bytes: int) -> list[Piece]:
     """The exact sum's pieces: the end of its largest non-integer bucket, cut at parameter
     boundaries into ranges of at least `piece_bytes` of float64, the last parameters first;
-    the first parameter stays with the rest. None on a GPU (not checked on one yet)."""
+    the first parameter stays with the rest."""
     devices = list(dict.fromkeys(part.bucket.device for part in parts))
-    candidates = [i for i, part in enumerate(parts)
-                  if part.bucket.params and not part.integer and part.bucket.device.type == "cpu"]
-    if piece_bytes <= 0 or not candidates or any(d.type != "cpu" for d in devices):
+    candidates = [i for i, part in enumerate(parts) if part.bucket.params and not part.integer]
+    if piece_bytes <= 0 or not candidates:
         return []
     index = max(candidates, key=lambda i: parts[i].bucket.numel)
     bucket = parts[index].bucket

@@ -12,8 +12,9 @@ In exact mode the accumulation is the quantization of each microbatch's gradient
 backward's sum into `.grad`), so the hooked microbatch's pieces are quantized and added
 on this thread of backward's, as it completes each (`ExactAccumulator.piece_ready`), and
 only their copy and allreduce go to the reducing thread: a hooked reduction dropped before
-its pieces went leaves the sum complete. Not on a GPU yet (never checked on one) and not
-with loss scaling (its non-finite rule looks at the whole microbatch).
+its pieces went leaves the sum complete. Whether a piece fit its scale is read once the
+microbatch is over (on a GPU a read per piece would make backward's thread wait for the
+device each time); not with loss scaling (its non-finite rule looks at the whole microbatch).
 
 Why this keeps every guarantee:
 - Every member issues the same collectives in the same order, whether it started some
@@ -62,7 +63,7 @@ def piece_bytes(reduce: str, after_backward: bool, own_backward: bool, ranks: in
     """The accumulator's piece size for a job: PIECE_BYTES where a reduction can start during
     the backward, else 0 (each buffer one collective, as before). In exact mode the hooked
     microbatch's integers are made piece by piece as backward completes them
-    (`ExactAccumulator.piece_ready`; none with loss scaling, none on a GPU yet). Not with
+    (`ExactAccumulator.piece_ready`; none with loss scaling). Not with
     `--no-overlap-reduce`, nor
     for a user's own `forward_backward` (it may run several backward passes, or change a
     gradient after one), nor for a replica of several ranks (FSDP2 writes the gradient

@@ -109,7 +109,10 @@ class ExactAccumulator:
         """The current microbatch is hooked: its pieces are quantized as backward completes
         them (`piece_ready`), the rest by `after_microbatch`."""
         self._pieces_done: set[int] = set()
-        self._piece_misfit = False
+        self._piece_fits: list[torch.Tensor] = []
+        """Per piece of the deferred microbatch: did it fit (a 0-d bool where the bucket lives)?
+        Read once, after the microbatch: a read per piece would stop backward's thread on a
+        GPU until the device caught up, every piece."""
         self._cut = {self._parts[p.bucket]: min(q.bucket_start for q in self.pieces
                                                 if q.bucket == p.bucket) for p in self.pieces}
         """The split bucket -> where its pieces begin: a deferred microbatch adds its head."""
@@ -161,13 +164,14 @@ class ExactAccumulator:
 
     def before_microbatch(self) -> None:
         self.grads.zero()  # each microbatch's gradient is quantized on its own
-        self._deferred, self._pieces_done, self._piece_misfit = False, set(), False
+        self._deferred, self._pieces_done, self._piece_fits = False, set(), []
 
     def defer_pieces(self) -> None:
         """The coming microbatch is the step's last and hooked (overlap.py): its pieces are
         quantized and added as backward completes them, to be reduced meanwhile (the same ops
-        on the same elements: the same integers). A piece that does not fit is not added and
-        the microbatch is an overflow: the step is redone, what was added discarded."""
+        on the same elements: the same integers). A piece that does not fit makes the
+        microbatch an overflow: the step is redone and its sums discarded (the piece is added
+        all the same: whether it fits is known only after the microbatch)."""
         self._deferred = True
 
     def piece_ready(self, index: int) -> None:
@@ -177,10 +181,8 @@ class ExactAccumulator:
         self._pieces_done.add(index)
         piece = self.pieces[index]
         part = self._parts[piece.bucket]
-        if self._scaled_fits(part, piece.bucket_start, piece.bucket_end):
-            add_range(part, piece.bucket_start, piece.bucket_end)
-        else:
-            self._piece_misfit = True
+        self._piece_fits.append(self._scaled_fit(part, piece.bucket_start, piece.bucket_end))
+        add_range(part, piece.bucket_start, piece.bucket_end)
 
     def after_microbatch(self, loss: float) -> None:
         if self._deferred:
@@ -215,7 +217,8 @@ class ExactAccumulator:
         for index in range(len(self.pieces)):
             self.piece_ready(index)
         loss_fits = abs(loss) < self._loss_limit
-        fits = loss_fits and not self._piece_misfit and self._misfit(0, self._cut) is None
+        pieces_fit = bool(torch.stack(self._piece_fits).all()) if self._piece_fits else True
+        fits = loss_fits and pieces_fit and self._misfit(0, self._cut) is None
         if fits:
             self._add(self._parts, self._cut)
         else:
@@ -232,7 +235,7 @@ class ExactAccumulator:
             part = self._parts[index]
             n = (cut or {}).get(part)
             if n is not None:  # a bucket whose end went in pieces: its head only
-                if not self._scaled_fits(part, 0, n):
+                if not bool(self._scaled_fit(part, 0, n)):
                     return index
                 continue
             if part.peak_list:
@@ -249,12 +252,13 @@ class ExactAccumulator:
                 return index
         return None
 
-    def _scaled_fits(self, part: ExactBucket, start: int, end: int) -> bool:
-        """Scale `part`'s gradient in [start, end) into its `scaled` buffer; does it fit?"""
+    def _scaled_fit(self, part: ExactBucket, start: int, end: int) -> torch.Tensor:
+        """Scale `part`'s gradient in [start, end) into its `scaled` buffer; does it fit? (A
+        0-d bool where the bucket lives: reading it waits for the device.)"""
         scaled = torch.mul(part.bucket.flat[start:end], part.scale[start:end],
                            out=part.scaled[start:end])
         low, high = torch.aminmax(scaled)
-        return -self._limit < float(low) and float(high) < self._limit  # NaN fails too
+        return (low > -self._limit) & (high < self._limit)  # NaN fails too
 
     @staticmethod
     def _add(parts: list[ExactBucket], cut: dict[ExactBucket, int] | None = None) -> None:

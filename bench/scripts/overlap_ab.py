@@ -1,14 +1,16 @@
-"""ReCoVer's fast step in variants, and plain torch DDP, side by side: the same job
+"""ReCoVer's step in variants, and plain torch DDP, side by side: the same job
 alternated over rounds (the order rotated each round).
 
     python bench/scripts/overlap_ab.py --out runs/overlap-ab --rounds 3 [--width 512 --layers 3]
-        [--compute-ms 100] [--steps 12] [--variants overlap,after,ddp]
+        [--compute-ms 100] [--steps 12] [--variants overlap,after,ddp] [--reduce exact]
 
-Each ReCoVer run is `recover run --replicas 2 -M 8 --reduce fast` of `examples/hsdp.py`
+Each ReCoVer run is `recover run --replicas 2 -M 8 --reduce fast` (or `--reduce exact`) of
+`examples/hsdp.py`
 (its transformer at --width/--layers; on a GPU host the model is on the GPU) with the
 defaults (`overlap`: the reduction started during the last backward, trainer/overlap.py;
 the step digest hashed on a thread, trainer/stepdigest.py) or one changed: `after`
-(`--no-overlap-reduce`), `inline` (`--digest-inline`). The first variant is compared with
+(`--no-overlap-reduce`), `inline` (`--digest-inline`), `fast` (the defaults in fast mode
+whatever `--reduce` says: exact mode's cost). The first variant is compared with
 each other one (first / other, per round and of the medians). DDP is
 `bench/scripts/ddp_gpu_baseline.py` under torchrun (gloo, `no_sync` accumulation: its
 buckets reduced during the last backward). Per run: the median step (commit to commit,
@@ -28,8 +30,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-FLAGS = {"overlap": [], "after": ["--no-overlap-reduce"], "inline": ["--digest-inline"]}
+FLAGS = {"overlap": [], "after": ["--no-overlap-reduce"], "inline": ["--digest-inline"], "fast": []}
 VARIANTS = (*FLAGS, "ddp")
+
+
+def reduce_mode(args: argparse.Namespace, variant: str) -> str:
+    return "fast" if variant == "fast" else args.reduce
 
 
 def recover_run(args: argparse.Namespace, variant: str, out: Path) -> dict:
@@ -37,7 +43,7 @@ def recover_run(args: argparse.Namespace, variant: str, out: Path) -> dict:
     if args.compute_ms:
         flags += ["--compute-ms", str(args.compute_ms)]
     cmd = [sys.executable, "-m", "recover.cli.main", "run", "--out", str(out), "--replicas", "2",
-           "--steps", str(args.steps), "-M", "8", "--seed", "1", "--reduce", "fast",
+           "--steps", str(args.steps), "-M", "8", "--seed", "1", "--reduce", reduce_mode(args, variant),
            "--policy", "recover", "--quiet", "--no-plot", *flags, "--", "python",
            "examples/hsdp.py", "--width", str(args.width), "--layers", str(args.layers)]
     log = out.with_suffix(".log")
@@ -77,6 +83,7 @@ def main() -> None:
     parser.add_argument("--variants", default="overlap,after,ddp",
                         help=f"comma-separated, of {', '.join(VARIANTS)}; the first is compared "
                              "with each other one")
+    parser.add_argument("--reduce", choices=("fast", "exact"), default="fast")
     parser.add_argument("--run-timeout", type=float, default=600)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -112,9 +119,11 @@ def main() -> None:
     lines.append("| median | " + " | ".join(cells + ratio) + " |")
     table = "\n".join(lines)
     print(table)
-    ours = [v for v in variants if v != "ddp"]
-    same = {row[v]["sha"] for row in rounds for v in ours}
-    print(f"{', '.join(ours)} end with the same parameters: {len(same) == 1}")
+    for mode in ("fast", "exact"):
+        ours = [v for v in variants if v != "ddp" and reduce_mode(args, v) == mode]
+        if ours:
+            same = {row[v]["sha"] for row in rounds for v in ours}
+            print(f"{mode} mode: {', '.join(ours)} end with the same parameters: {len(same) == 1}")
     (args.out / "table.md").write_text(table + "\n")
     (args.out / "results.json").write_text(json.dumps(
         {"args": {k: str(v) for k, v in vars(args).items()}, "rounds": rounds,

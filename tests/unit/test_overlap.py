@@ -10,12 +10,14 @@ float operations, and fast mode's results compare bitwise.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
 
 from recover.trainer.buffers import reduced_buckets
-from recover.trainer.fastreduce import FastAccumulator
+from recover.trainer.fastreduce import FastAccumulator, Reduced
 from recover.trainer.gradients import GradientBuckets
 from recover.trainer.groups import GroupSpec
 from recover.trainer.groups.fake import FakeRendezvous
@@ -225,33 +227,67 @@ def test_a_model_s_buffers_ride_with_the_rest_never_in_a_piece() -> None:
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_each_piece_is_copied_once_its_backward_is_done(device: str) -> None:
-    # A member alone: its reduction is its own sum, so the result shows whether every piece
-    # was copied after the backward had written it. On a GPU the host queues backward's
-    # kernels far ahead of them: the copy must wait for the piece's own (an event), not
-    # for the hook. scripts/gpu_check.sh runs the CUDA case.
+def _alone(device: str, reduce: str, piece: int, scale: float = 1.0) -> Reduced:
+    """A member alone reduces two microbatches of a 6-layer MLP, the last one hooked (when
+    `piece`); `scale` multiplies the last microbatch's gradient of the last layer's weight,
+    which lies in a piece (a huge one overflows there only)."""
+    from recover.trainer.reduction import make_accumulator
+
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(6)]).to(device)
     grads = GradientBuckets(list(model.parameters()))
-    acc = FastAccumulator(grads, piece_bytes=1 << 20)
+    acc = make_accumulator(reduce, grads, 2, piece_bytes=piece)
     early = EarlyReduction(acc)
     group = FakeRendezvous()(GroupSpec(generation=1, rank=0, world_size=1, store_host="",
                                        store_port=0))
     group.connect()
     x = torch.randn(2048, 512, device=device)
     for microbatch in range(2):
-        if microbatch == 1:  # the last one
+        acc.before_microbatch()
+        last = microbatch == 1
+        if last and piece:
             early.hook(group, step=0, done=2)
+        handle = model[-1].weight.register_hook(lambda g: g * scale) if last else None
         model(x).tanh().square().mean().backward()
+        if handle is not None:
+            handle.remove()
         acc.after_microbatch(1.0)
     early.unhook()
     hooked = early.take(group, 0, 2)
-    assert hooked is not None and 0 < early.started_in_backward <= len(acc.pieces)
-    reduced = acc.finish(early.finish(hooked))
-    assert reduced.microbatches == 2
-    assert torch.equal(reduced.grads[0], grads.buckets[0].flat / 2)
+    if piece:
+        assert hooked is not None and 0 < early.started_in_backward <= len(acc.pieces)
+        reduced = acc.finish(early.finish(hooked))
+    else:
+        reduced = acc.finish([b.clone() for b in acc.buffers()])
     early.close()
+    return reduced
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("reduce", "piece"), [("fast", 1 << 20), ("exact", 2 << 20)])
+def test_each_piece_is_copied_once_its_backward_is_done(device: str, reduce: str,
+                                                        piece: int) -> None:
+    # A member alone: its reduction is its own sum, so the result shows whether every piece
+    # was copied after the backward had written it. On a GPU the host queues backward's
+    # kernels far ahead of them: the copy must wait for the piece's own (an event), not
+    # for the hook; in exact mode the piece is quantized on backward's stream first.
+    # scripts/gpu_check.sh runs the CUDA cases.
+    reduced = _alone(device, reduce, piece)
+    assert reduced.microbatches == 2 and reduced.overflow == 0
+    after = _alone(device, reduce, 0)  # the same microbatches reduced after the backward
+    assert all(torch.equal(a, b) for a, b in zip(reduced.grads, after.grads, strict=True))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_exact_piece_that_does_not_fit_is_an_overflow_read_after_the_microbatch(
+        device: str) -> None:
+    # The fit of each piece is read once the microbatch is over (a read per piece would
+    # stall a GPU's backward thread): a piece too large for its scale counts though the
+    # rest fits, and the step is redone as without pieces.
+    for scale in (2.0 ** 60, math.inf):
+        pieced, whole = _alone(device, "exact", 2 << 20, scale), _alone(device, "exact", 0, scale)
+        assert pieced.overflow == whole.overflow == 1
+        assert pieced.microbatches == whole.microbatches == 2
 
 
 # ------------------------------------------------------------------ exact mode
