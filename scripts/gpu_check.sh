@@ -12,7 +12,9 @@
 #   1 GPU or more: the group tests that need CUDA (tests/unit/test_groups.py: a CUDA buffer
 #     through gloo's pinned staging, the NCCL group's reduce and its abort of a member
 #     whose peer never comes; tests/unit/test_overlap.py: a reduction started during
-#     backward copies each piece after its kernels); 2 replicas of 1 rank on the GPU(s)
+#     backward copies each piece after its kernels, exact mode's pieces too, an overflowing
+#     one counted; tests/unit/test_reduction.py: the peaks that set exact mode's scales,
+#     read at once); 2 replicas of 1 rank on the GPU(s)
 #     (slot modulo the GPUs seen), the cross-replica group on gloo with CUDA buffers staged
 #     through pinned host memory:
 #     - exact: failure-free vs a replica killed in backward, whose restarted worker (forked
@@ -57,9 +59,9 @@ if not cuda:
     print('no GPU: GPU_CHECK_ON_CPU runs the same jobs on the CPU (a check of this script only)')
 "
 
-echo "== the cross-replica groups on the GPU (gloo staging through pinned memory, NCCL)"
+echo "== the cross-replica groups on the GPU (gloo staging through pinned memory, NCCL), the exact sums"
 "$PY" -m pytest -q -rs -s -p no:cacheprovider tests/unit/test_groups.py tests/unit/test_stepdigest.py \
-  tests/unit/test_overlap.py -k "cuda or nccl or gpu" \
+  tests/unit/test_overlap.py tests/unit/test_reduction.py -k "cuda or nccl or gpu" \
   || { echo "gpu_check: group tests failed"; FAILED=1; }
 
 # --compute-ms paces the steps (a sleep per microbatch) so that a restarted worker has

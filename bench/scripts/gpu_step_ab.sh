@@ -10,6 +10,7 @@
 # Each DIR holds a build as DIR/recover, e.g.
 #   mkdir -p /tmp/b/recover && git archive REV | tar -x -C /tmp/b/recover
 # and an empty DIR names the build Python imports by itself (the working tree, with -e).
+# REDUCE=exact compares the builds in exact mode; DDP=0 leaves DDP out.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${1:?OUT}"
@@ -31,7 +32,8 @@ mkdir -p "$OUT"
 for round in $(seq 1 "$ROUNDS"); do
   shift_by=$(( (round - 1) % ${#NAMES[@]} ))
   order=("${NAMES[@]:shift_by}" "${NAMES[@]:0:shift_by}")
-  for build in "${order[@]}" ddp; do
+  extra=(); [ "${DDP:-1}" = 1 ] && extra=(ddp)
+  for build in "${order[@]}" "${extra[@]}"; do
     name="$build-$round"
     if [ "$build" = ddp ]; then
       "$PY" -m torch.distributed.run --nproc_per_node 2 --master-port 29533 \
@@ -44,7 +46,7 @@ for round in $(seq 1 "$ROUNDS"); do
     path=${path#:}
     rm -rf "${OUT:?}/$name"
     PYTHONPATH="$path" "$PY" -m recover.cli.main run --out "$OUT/$name" \
-      --replicas 2 --steps "$STEPS" -M 8 --seed 1 --reduce fast --policy recover --quiet --no-plot \
+      --replicas 2 --steps "$STEPS" -M 8 --seed 1 --reduce "${REDUCE:-fast}" --policy recover --quiet --no-plot \
       -- python examples/hsdp.py "${MODEL[@]}" > "$OUT/$name.log" 2>&1 \
       || { echo "$name failed:"; tail -n 20 "$OUT/$name.log"; exit 1; }
     "$PY" - "$OUT/$name/summary.json" "$name" <<'PYEOF'

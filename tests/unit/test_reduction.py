@@ -437,3 +437,16 @@ def test_an_integer_delta_too_large_to_sum_exactly_is_an_overflow(numel: int, ba
     reduced = acc.finish(acc.buffers())
     assert (reduced.overflow, reduced.microbatches) == (1, 2)
     assert torch.equal(reduced.grads[0], torch.full((numel,), 1.5, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_each_tensor_s_peak_is_its_max_magnitude_read_at_once_on_a_gpu(device: str) -> None:
+    # The next step's scales come from these: on a GPU every tensor's bounds are read in one
+    # go (a read each waited for the device), the same values. scripts/gpu_check.sh runs it.
+    from recover.trainer.exactparts import peaks
+
+    mean = torch.tensor([1.0, -3.0, 2.0, math.nan, 0.5, math.inf, -0.25], device=device)
+    got = peaks(mean, [3, 0, 2, 1, 1])
+    assert got[:2] == [3.0, 0.0] and got[4] == 0.25
+    assert math.isnan(got[2]) and math.isnan(got[3])  # not finite: no scale from it
+    assert peaks(mean[:0], []) == []
