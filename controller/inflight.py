@@ -111,6 +111,7 @@ class StepInFlight:
         for member, report in zip(members, reported, strict=True):
             if not report.overflow and not report.scale_epoch:
                 self.throughput.observe(member, len(report.microbatch_ids), report.compute_s)
+                self.throughput.observe_lead(member, report.lead_s)
         self._speeds = None
 
     def progress_reported(self, view: JobView, replica: int, msg: pb.Progress) -> bool:

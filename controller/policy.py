@@ -280,24 +280,27 @@ class ProportionalPolicy(PlanPolicy):
         if known is None:
             return uniform
         measured, seconds = known
+        leads = measured.lead_for(members)  # each one's start after the commit
         try:
-            candidate = proportional_quotas(seconds, global_microbatches, members, self.at_least)
+            candidate = proportional_quotas(seconds, global_microbatches, members, self.at_least,
+                                            leads)
         except QuotaError as exc:
             raise PolicyError(str(exc)) from None
         head = (f"proportional: {global_microbatches} microbatches over {len(members)} replicas "
                 "by measured speed")
         current = self.current if current is None else current
         if current is not None:
-            replan, why = should_replan(quotas_of(current), candidate, seconds, self.threshold)
+            replan, why = should_replan(quotas_of(current), candidate, seconds, self.threshold,
+                                        leads)
             if not replan:
                 kept = quotas_of(current)
-                return PlanDecision(contiguous_assignment(kept, members),
-                                    f"{head}; {why}; {describe_quotas(kept, seconds, measured)}")
-        predicted = makespan(candidate, seconds)
-        even = makespan(quotas_of(uniform.assignment), seconds)
+                return PlanDecision(contiguous_assignment(kept, members), f"{head}; {why}; "
+                                    f"{describe_quotas(kept, seconds, measured, leads)}")
+        predicted = makespan(candidate, seconds, leads)
+        even = makespan(quotas_of(uniform.assignment), seconds, leads)
         return PlanDecision(contiguous_assignment(candidate, members),
                             f"{head}, predicted step {predicted:.3g}s (uniform {even:.3g}s); "
-                            f"{describe_quotas(candidate, seconds, measured)}")
+                            f"{describe_quotas(candidate, seconds, measured, leads)}")
 
     def reassign(self, current: Mapping[int, Sequence[int]], lost: Sequence[int],
                  survivors: Sequence[int], spares: Sequence[int] = (), *,

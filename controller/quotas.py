@@ -1,9 +1,12 @@
 """Throughput-proportional quotas: how many of the M microbatches each replica computes.
 
-Pure functions of (seconds per microbatch, M). A step ends when its slowest member has
-computed its share, so the quotas minimise the step's *makespan* max_r(q_r * t_r) over
-integer quotas summing to M: with one replica 2x slower than the others, uniform quotas
-make every step wait for it, proportional ones give it about half as many.
+Pure functions of (seconds per microbatch, M, and each replica's lead). A step ends when
+its slowest member has computed its share, so the quotas minimise the step's *makespan*
+max_r(l_r + q_r * t_r) over integer quotas summing to M, where l_r is the time replica r
+starts its share after the commit (its lead: applying the commit, a callback, a
+checkpoint; throughput.py): with one replica 2x slower than the others, uniform quotas
+make every step wait for it, proportional ones give it about half as many; one that
+evaluates for the time of two microbatches after every commit gets about two fewer.
 
 The solver is the exchange-argument greedy: hand microbatches out one at a time, each to
 the replica that would finish it earliest. Replica r's k-th microbatch ends at k * t_r,
@@ -33,6 +36,10 @@ DEFAULT_THRESHOLD = 0.05
 
 NOTABLE = 1.1
 """Reasons name a replica individually when it is 10% slower or faster than the median."""
+
+LATE = 0.5
+"""Reasons name a replica that starts its share half a typical microbatch or more after the
+median replica (its lead, throughput.py)."""
 
 NAMED_IN_REASON = 8
 """At most this many replicas named one by one in a reason (1,000 replicas: a summary)."""
@@ -148,8 +155,10 @@ def _bulk(count: int, offset: Mapping[int, float], t: Mapping[int, float],
 
 
 def proportional_quotas(seconds_per_mb: Mapping[int, float], global_microbatches: int,
-                        order: Sequence[int] | None = None, at_least: int = 1) -> dict[int, int]:
-    """Integer quotas summing to M that minimise max_r(q_r * t_r), keyed in `order`.
+                        order: Sequence[int] | None = None, at_least: int = 1,
+                        leads: Mapping[int, float] | None = None) -> dict[int, int]:
+    """Integer quotas summing to M that minimise max_r(l_r + q_r * t_r), keyed in `order`
+    (`leads`: each replica's l_r, default 0).
 
     `order` (default: by replica id) breaks ties, earlier first; pass the members' order
     to get exactly `uniform_plan` when the speeds are equal.
@@ -171,7 +180,7 @@ def proportional_quotas(seconds_per_mb: Mapping[int, float], global_microbatches
         raise QuotaError(f"at_least must be >= 0, got {at_least}")
     floor = at_least if global_microbatches >= at_least * len(members) else 0
     extra = hand_out(global_microbatches - floor * len(members), seconds_per_mb, members,
-                     start=dict.fromkeys(members, floor))
+                     start=dict.fromkeys(members, floor), ready=leads)
     return {r: floor + extra[r] for r in members}
 
 
@@ -181,9 +190,13 @@ def uniform_quotas(order: Sequence[int], global_microbatches: int) -> dict[int, 
     return {r: base + (1 if i < extra else 0) for i, r in enumerate(order)}
 
 
-def makespan(quotas: Mapping[int, int], seconds_per_mb: Mapping[int, float]) -> float:
-    """The predicted compute time of a step: its slowest member's q_r * t_r (0 if empty)."""
-    return max((q * seconds_per_mb[r] for r, q in quotas.items()), default=0.0)
+def makespan(quotas: Mapping[int, int], seconds_per_mb: Mapping[int, float],
+             leads: Mapping[int, float] | None = None) -> float:
+    """The predicted time from a commit to a step's computed: its slowest member's
+    l_r + q_r * t_r (`leads`: l_r, default 0; 0 if empty)."""
+    leads = leads or {}
+    return max((leads.get(r, 0.0) + q * seconds_per_mb[r] for r, q in quotas.items()),
+               default=0.0)
 
 
 def quotas_of(assignment: Mapping[int, Sequence[int]]) -> dict[int, int]:
@@ -212,7 +225,8 @@ def contiguous_assignment(quotas: Mapping[int, int],
 
 def should_replan(current_quotas: Mapping[int, int], candidate_quotas: Mapping[int, int],
                   seconds_per_mb: Mapping[int, float],
-                  threshold: float = DEFAULT_THRESHOLD) -> tuple[bool, str]:
+                  threshold: float = DEFAULT_THRESHOLD,
+                  leads: Mapping[int, float] | None = None) -> tuple[bool, str]:
     """Whether to leave the current quotas for the candidate, and why.
 
     Only when the candidate's predicted makespan is more than `threshold` shorter (or the
@@ -222,7 +236,8 @@ def should_replan(current_quotas: Mapping[int, int], candidate_quotas: Mapping[i
     estimate is its true time times a factor in [lo, hi] with hi / lo <= 1 / (1 - threshold)
     (a spread of ~5.3% at 5%), no replan happens. Proof: with OPT the true optimal
     makespan, the current plan's estimated makespan is at most hi * OPT, and any plan's,
-    the candidate's included, at least lo * OPT; so the predicted gain is at most
+    the candidate's included, at least lo * OPT (leads within the same factors too: a
+    makespan is a max of sums of them); so the predicted gain is at most
     1 - lo / hi <= threshold. A real 2x slowdown of one of 4 replicas predicts a step
     ~35% shorter and replans at once.
     """
@@ -237,7 +252,8 @@ def should_replan(current_quotas: Mapping[int, int], candidate_quotas: Mapping[i
                       f"not {sum(candidate_quotas.values())}: plan afresh")
     if dict(current_quotas) == dict(candidate_quotas):
         return False, "the current quotas are already the best"
-    now, then = makespan(current_quotas, seconds_per_mb), makespan(candidate_quotas, seconds_per_mb)
+    now = makespan(current_quotas, seconds_per_mb, leads)
+    then = makespan(candidate_quotas, seconds_per_mb, leads)
     gain = (now - then) / now if now > 0 else 0.0
     told = (f"predicted step {_secs(now)} -> {_secs(then)}, {gain:.0%} shorter "
             f"(threshold {threshold:.0%})")
@@ -256,22 +272,33 @@ def _counts(values: Sequence[int]) -> str:
 
 
 def describe_quotas(quotas: Mapping[int, int], seconds_per_mb: Mapping[int, float],
-                    measured: Collection[int] | None = None) -> str:
+                    measured: Collection[int] | None = None,
+                    leads: Mapping[int, float] | None = None) -> str:
     """Why each replica got its quota, e.g. "replica 2 measured 2.1x slower than the
     median: 2 of 16 microbatches; replicas [0, 1, 3] near the median: 4-5 each".
 
     Replicas 10% or more off the median are named one by one (at most 8, slowest first,
-    then a count); `measured` (default: all) tells which times are only assumed.
+    then a count), and so is one that starts its share late (`leads`, `LATE`);
+    `measured` (default: all) tells which times are only assumed.
     """
     total = sum(quotas.values())
     measured_set = set(quotas) if measured is None else set(measured)
     typical = low_median(seconds_per_mb[r] for r in quotas)
+    leads = leads or {}
+    usual_lead = low_median(leads.get(r, 0.0) for r in quotas) or 0.0
     notes: list[tuple[float, str]] = []
     usual: list[int] = []
     for r, q in quotas.items():
         share = f"{q} of {total} microbatches"
         ratio = seconds_per_mb[r] / typical if typical else 1.0
-        if r not in measured_set:
+        late = leads.get(r, 0.0) - usual_lead
+        if typical and late >= LATE * typical:
+            speed = f", {ratio:.1f}x the median's time per microbatch" \
+                if ratio >= NOTABLE or ratio <= 1 / NOTABLE else ""
+            notes.append((ratio + late / typical,
+                          f"replica {r} starts its share {late * 1000:.3g} ms after the median "
+                          f"(its time between steps){speed}: {share}"))
+        elif r not in measured_set:
             notes.append((0.0, f"replica {r} not measured yet, assumed at the median: {share}"))
         elif ratio >= NOTABLE:
             notes.append((ratio, f"replica {r} measured {ratio:.1f}x slower than the median: {share}"))

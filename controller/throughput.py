@@ -23,6 +23,13 @@ EWMA. Why:
 With an even number of observations (the first steps after a join) the *lower* of the
 two middle values is taken: the outlier to expect then is the cold first step, which
 is always slow, never fast.
+
+Each replica's *lead* is smoothed the same way: the time from handling a commit to
+starting the next step's first microbatch (`pb.Reduced.lead_s`). A replica that runs
+an evaluation or writes a checkpoint after every commit starts its share that much later
+than the others, and a plan that ignores it hands that replica *more* microbatches: its
+microbatches run while the others, done with theirs, leave it the cores (measured: 5-7
+of 16 to the replica evaluating, against 3-4 each to the others).
 """
 
 from __future__ import annotations
@@ -56,6 +63,13 @@ def _check_seconds(replica: int, seconds: float) -> float:
     return seconds
 
 
+def _check_lead(replica: int, seconds: float) -> float:
+    seconds = float(seconds)
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"replica {replica}: a lead must be finite and >= 0, got {seconds}")
+    return seconds
+
+
 @dataclass(frozen=True)
 class Speeds(Mapping[int, float]):
     """A frozen snapshot: replica id -> measured seconds per microbatch (measured ones only).
@@ -68,19 +82,28 @@ class Speeds(Mapping[int, float]):
 
     pairs: tuple[tuple[int, float], ...] = ()
     """(replica, seconds per microbatch), by replica id."""
+    leads: tuple[tuple[int, float], ...] = ()
+    """(replica, seconds from a commit to its next first microbatch), measured ones only."""
     _by_replica: dict[int, float] = field(init=False, repr=False, compare=False, hash=False)
+    _leads: dict[int, float] = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         checked = {int(r): _check_seconds(r, s) for r, s in self.pairs}
         if len(checked) != len(self.pairs):
             raise ValueError(f"a replica appears twice in {self.pairs}")
+        leads = {int(r): _check_lead(r, s) for r, s in self.leads}
+        if len(leads) != len(self.leads):
+            raise ValueError(f"a replica appears twice in {self.leads}")
         object.__setattr__(self, "pairs", tuple(sorted(checked.items())))
         object.__setattr__(self, "_by_replica", checked)
+        object.__setattr__(self, "leads", tuple(sorted(leads.items())))
+        object.__setattr__(self, "_leads", leads)
 
     @classmethod
-    def of(cls, seconds_per_mb: Mapping[int, float]) -> Speeds:
-        """A snapshot from a plain mapping (tests, callers that measure elsewhere)."""
-        return cls(tuple(seconds_per_mb.items()))
+    def of(cls, seconds_per_mb: Mapping[int, float],
+           leads: Mapping[int, float] | None = None) -> Speeds:
+        """A snapshot from plain mappings (tests, callers that measure elsewhere)."""
+        return cls(tuple(seconds_per_mb.items()), tuple((leads or {}).items()))
 
     def __getitem__(self, replica: int) -> float:
         return self._by_replica[replica]
@@ -107,6 +130,14 @@ class Speeds(Mapping[int, float]):
             return None
         return {m: self._by_replica.get(m, typical) for m in members}
 
+    def lead_for(self, members: Iterable[int]) -> dict[int, float]:
+        """Each member's lead (seconds from a commit to its first microbatch), the unmeasured
+        ones at the median of the measured members'; all 0 when no member's is measured
+        (then plans are what they were without leads)."""
+        members = list(members)
+        typical = low_median(self._leads[m] for m in members if m in self._leads) or 0.0
+        return {m: self._leads.get(m, typical) for m in members}
+
 
 class ThroughputEstimator:
     """Per-replica seconds per microbatch: the median of the last `window` observations.
@@ -120,6 +151,7 @@ class ThroughputEstimator:
             raise ValueError(f"window must be >= 1, got {window}")
         self.window = window
         self._samples: dict[int, deque[float]] = {}
+        self._lead_samples: dict[int, deque[float]] = {}
 
     def observe(self, replica: int, microbatches: int, compute_s: float) -> bool:
         """Record that `replica` computed `microbatches` in `compute_s` seconds of compute.
@@ -133,6 +165,14 @@ class ThroughputEstimator:
             return False
         samples = self._samples.setdefault(replica, deque(maxlen=self.window))
         samples.append(compute_s / microbatches)
+        return True
+
+    def observe_lead(self, replica: int, lead_s: float) -> bool:
+        """Record a replica's lead in a step (`pb.Reduced.lead_s`); whether it counted (0,
+        not measured, and anything not positive and finite are ignored, as in `observe`)."""
+        if not math.isfinite(lead_s) or lead_s <= 0:
+            return False
+        self._lead_samples.setdefault(replica, deque(maxlen=self.window)).append(lead_s)
         return True
 
     def measured(self, replica: int) -> bool:
@@ -154,6 +194,7 @@ class ThroughputEstimator:
     def forget(self, replica: int) -> None:
         """Drop a replica's observations (it was lost: a replica id is never reused)."""
         self._samples.pop(replica, None)
+        self._lead_samples.pop(replica, None)
 
     def snapshot(self, replicas: Iterable[int] | None = None) -> Speeds:
         """The measured estimates, of `replicas` only when given, as a frozen `Speeds`.
@@ -162,10 +203,13 @@ class ThroughputEstimator:
         tell (and say in its reason) which quotas rest on an assumption.
         """
         estimates = self._own_estimates()
+        leads = {r: lead for r, samples in self._lead_samples.items()
+                 if (lead := low_median(samples)) is not None}
         if replicas is not None:
             wanted = set(replicas)
             estimates = {r: s for r, s in estimates.items() if r in wanted}
-        return Speeds.of(estimates)
+            leads = {r: lead for r, lead in leads.items() if r in wanted}
+        return Speeds.of(estimates, leads)
 
     def _own_estimates(self) -> dict[int, float]:
         return {r: s for r in self._samples if (s := low_median(self._samples[r])) is not None}

@@ -471,7 +471,7 @@ class Resumed(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., at: _Optional[float] = ..., rebuild_s: _Optional[float] = ...) -> None: ...
 
 class Reduced(_message.Message):
-    __slots__ = ("generation", "step", "microbatch_ids", "sample_ids", "loss", "compute_s", "reduce_s", "overflow", "scale_epoch", "tokens", "applied")
+    __slots__ = ("generation", "step", "microbatch_ids", "sample_ids", "loss", "compute_s", "reduce_s", "overflow", "scale_epoch", "tokens", "applied", "lead_s")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -483,6 +483,7 @@ class Reduced(_message.Message):
     SCALE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
+    LEAD_S_FIELD_NUMBER: _ClassVar[int]
     generation: int
     step: int
     microbatch_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -494,7 +495,8 @@ class Reduced(_message.Message):
     scale_epoch: int
     tokens: int
     applied: _containers.RepeatedCompositeFieldContainer[Applied]
-    def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., microbatch_ids: _Optional[_Iterable[int]] = ..., sample_ids: _Optional[_Iterable[int]] = ..., loss: _Optional[float] = ..., compute_s: _Optional[float] = ..., reduce_s: _Optional[float] = ..., overflow: _Optional[int] = ..., scale_epoch: _Optional[int] = ..., tokens: _Optional[int] = ..., applied: _Optional[_Iterable[_Union[Applied, _Mapping]]] = ...) -> None: ...
+    lead_s: float
+    def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., microbatch_ids: _Optional[_Iterable[int]] = ..., sample_ids: _Optional[_Iterable[int]] = ..., loss: _Optional[float] = ..., compute_s: _Optional[float] = ..., reduce_s: _Optional[float] = ..., overflow: _Optional[int] = ..., scale_epoch: _Optional[int] = ..., tokens: _Optional[int] = ..., applied: _Optional[_Iterable[_Union[Applied, _Mapping]]] = ..., lead_s: _Optional[float] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("generation", "step", "done", "last_s")

@@ -134,6 +134,7 @@ class StepExecutor(JoinSteps):
                                f"worker is at step {self.state.step}")
         self._adopt_plan(plan)
         self.state.reduced = None  # reduced in an older generation: discard, reduce again
+        self.state.committed_at = None  # a wait for a new generation is not this replica's
         started = time.monotonic()
         # With "group met in" (logged when the reduction first needs the group), this splits
         # a slow rebuild into the wait for this thread and the group's own meeting.
@@ -224,6 +225,8 @@ class StepExecutor(JoinSteps):
     def _compute_microbatch(self, microbatch: int) -> None:
         s, hooks = self.state, self.hooks
         started = time.perf_counter()
+        if s.committed_at is not None:  # the step's first microbatch: the time between steps
+            s.lead_s, s.committed_at = started - s.committed_at, None
         position = len(s.done)
         count = len(s.original) or len(s.assigned)
         points = hooks.before_microbatch(s.step, position, count,
@@ -306,7 +309,8 @@ class StepExecutor(JoinSteps):
             generation=self.generation, step=s.step, microbatch_ids=s.done,
             sample_ids=s.sample_ids, loss=s.reduced.loss, compute_s=s.compute_s,
             reduce_s=time.perf_counter() - started, overflow=s.reduced.overflow,
-            scale_epoch=s.scale_epoch, tokens=tokens, applied=self.held_applied())))
+            scale_epoch=s.scale_epoch, tokens=tokens, applied=self.held_applied(),
+            lead_s=s.lead_s)))
         self._reported_at = time.perf_counter()
         self.hooks.after_reported(s.step)
 
@@ -319,7 +323,8 @@ class StepExecutor(JoinSteps):
             return
         if verdict.action is CommitAction.REFUSE or s.reduced is None:
             raise RuntimeError(f"commit refused: {verdict.reason}")
-        commit_wait = time.perf_counter() - self._reported_at
+        committed_at = time.perf_counter()
+        commit_wait = committed_at - self._reported_at
         if not commit.HasField("next_plan") and not commit.final \
                 and any(not d.done.is_set() for d in self.donations):
             self.hooks.before_feeding(s.step)
@@ -330,6 +335,7 @@ class StepExecutor(JoinSteps):
             final=commit.final)
         self.finished = commit.final
         if commit.HasField("next_plan"):
+            self.state.committed_at = committed_at
             self._adopt_plan(commit.next_plan)
 
     def _apply(self, means: list, step: pb.CatchUpStep, commit_wait: float | None,

@@ -39,6 +39,10 @@ class StepState:
     reduced: Reduced | None = None
     """The reduced gradient (a copy) awaiting the commit."""
     compute_s: float = 0.0
+    committed_at: float | None = None
+    """When the commit of the step before was handled (perf_counter), if this step followed it."""
+    lead_s: float = 0.0
+    """From `committed_at` to this step's first microbatch (0: not measured): pb.Reduced.lead_s."""
     open: bool = False
     """Work-stealing: the share may still change; reduce only once the controller closes it."""
     idle_reported: bool = False

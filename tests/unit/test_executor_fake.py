@@ -120,6 +120,8 @@ class FakeController:
     reduced: dict[int, pb.Reduced] = field(default_factory=dict)
     compute_s: dict[tuple[int, int], float] = field(default_factory=dict)
     """(step, replica) -> the compute time its reduction reported."""
+    leads: dict[tuple[int, int], float] = field(default_factory=dict)
+    """(step, replica) -> the lead its reduction reported (pb.Reduced.lead_s)."""
     commits: list[tuple[int, int]] = field(default_factory=list)
     """(step, generation) of every commit."""
     digests: dict[int, dict[int, str]] = field(default_factory=lambda: defaultdict(dict))
@@ -166,6 +168,7 @@ class FakeController:
             if r.generation == self.generation and r.step == self.step:
                 self.reduced[report.replica] = r
                 self.compute_s[(r.step, report.replica)] = r.compute_s
+                self.leads[(r.step, report.replica)] = r.lead_s
                 self.maybe_commit()
         elif kind == "applied":
             self.digests[report.applied.step][report.replica] = report.applied.param_sha256
@@ -431,6 +434,22 @@ def test_with_a_callback_after_the_commit_the_digest_hashes_copies(
     borrow_asked.clear()
     train()
     assert len(borrow_asked) == REPLICAS * (STEPS - 1) and all(borrow_asked)
+
+
+def test_the_time_between_steps_is_reported_as_each_replica_s_lead(baseline: Run) -> None:
+    # pb.Reduced.lead_s: from handling the commit to the next step's first microbatch. A
+    # replica whose callback after each commit takes 50 ms starts its share that much
+    # later; the controller plans its quota with it (quotas.py).
+    def slow_callback(executors: dict[int, StepExecutor]) -> None:
+        executors[0].workload.on_step_committed = lambda info: time.sleep(0.05)
+
+    run = train(prepare=slow_callback)
+    assert_survivors_match(run, baseline, lost=[])
+    leads = run.controller.leads
+    assert [leads[(0, r)] for r in range(REPLICAS)] == [0.0] * REPLICAS  # no commit before
+    for step in range(1, STEPS):
+        assert leads[(step, 0)] >= 0.05
+        assert all(leads[(step, r)] > 0 for r in range(1, REPLICAS))
 
 
 def samples(workers: int) -> Any:

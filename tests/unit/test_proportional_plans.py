@@ -10,20 +10,23 @@ from recover.proto import pb
 from tests.unit.coordinator_harness import Harness, make_job, plan_dict
 
 
-def reduced(h: Harness, replica: int, seconds_per_mb: float) -> pb.Reduced:
+def reduced(h: Harness, replica: int, seconds_per_mb: float, lead_s: float = 0.0) -> pb.Reduced:
     msg = h.reduced_msg(replica)
     msg.compute_s = seconds_per_mb * len(msg.microbatch_ids)
+    msg.lead_s = lead_s
     return msg
 
 
-async def train(h: Harness, steps: int,
-                seconds_per_mb: dict[int, float]) -> list[tuple[dict[int, tuple[int, ...]], str]]:
-    """Run `steps` steps in which member r takes seconds_per_mb[r] per microbatch; the plan
-    each commit handed out (with its reason), in order."""
+async def train(h: Harness, steps: int, seconds_per_mb: dict[int, float],
+                leads: dict[int, float] | None = None
+                ) -> list[tuple[dict[int, tuple[int, ...]], str]]:
+    """Run `steps` steps in which member r takes seconds_per_mb[r] per microbatch (and
+    starts them leads[r] after the commit); the plan each commit handed out (with its
+    reason), in order."""
     for _ in range(steps):
         step = h.coord.step
         for m in h.coord.members:
-            await h.coord.reduced(m, reduced(h, m, seconds_per_mb[m]))
+            await h.coord.reduced(m, reduced(h, m, seconds_per_mb[m], (leads or {}).get(m, 0.0)))
         await h.apply(step)
     by_step = {c.step: c.next_plan for _, c in h.messages("commit") if c.HasField("next_plan")}
     return [(plan_dict(p), p.reason) for _, p in sorted(by_step.items())]
@@ -56,6 +59,21 @@ def test_a_replica_twice_as_slow_gets_half_the_share_and_equal_ones_stay_uniform
     assert "replica 2 measured 2.0x slower than the median: 2 of 16" in plans[0][1]
     assert "predicted step 0.5s (uniform 0.8s)" in plans[0][1]
     assert "the current quotas are already the best" in plans[-1][1]  # hysteresis: kept
+
+
+def test_a_replica_that_starts_its_share_late_gets_fewer():
+    # Its lead (pb.Reduced.lead_s): replica 0 evaluates for 20 ms after every commit while
+    # the others start 2 ms after it; its microbatches even measure faster (the others,
+    # done, leave it the cores), which without leads handed it more.
+    async def body():
+        h = await started()
+        return await train(h, 4, {0: 0.003, 1: 0.004, 2: 0.004, 3: 0.004},
+                           {0: 0.020, 1: 0.002, 2: 0.002, 3: 0.002})
+
+    plans = asyncio.run(body())
+    assert [quotas(p) for p, _ in plans] == [{0: 1, 1: 5, 2: 5, 3: 5}] * 4
+    assert "replica 0 starts its share 18 ms after the median (its time between steps)" \
+        in plans[0][1]
 
 
 def test_equal_replicas_with_noise_keep_the_uniform_plan():

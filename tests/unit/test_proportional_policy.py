@@ -95,6 +95,22 @@ def test_proportional_plan(speeds, members, m, expected, reason):
     assert ProportionalPolicy(Speeds.of(speeds)).plan(members, m) == decision
 
 
+def test_a_replica_that_evaluates_after_every_commit_is_planned_to_finish_with_the_others():
+    # Measured on the demo (bench/results/buffers-demo-size/plans-with-eval.txt): replica 0,
+    # which evaluated after each commit, computed its microbatches faster while the others
+    # waited for it, and was handed 5-7 of 16. With its lead it gets what fits after it.
+    speeds = Speeds.of({0: 0.003, 1: 0.004, 2: 0.004, 3: 0.004},
+                       {0: 0.020, 1: 0.002, 2: 0.002, 3: 0.002})
+    decision = ProportionalPolicy().plan([0, 1, 2, 3], 16, speeds=speeds,
+                                         current={0: (0, 1, 2, 3, 4, 5), 1: (6, 7, 8, 9),
+                                                  2: (10, 11, 12), 3: (13, 14, 15)})
+    assert quotas_of(decision.assignment) == {0: 1, 1: 5, 2: 5, 3: 5}
+    assert "predicted step 0.023s (uniform 0.032s)" in decision.reason, decision.reason
+    assert "replica 0 starts its share 18 ms after the median" in decision.reason
+    assert quotas_of(ProportionalPolicy().plan([0, 1, 2, 3], 16, speeds=Speeds.of(
+        dict(speeds))).assignment)[0] > 4, "without leads it was handed more"
+
+
 @pytest.mark.parametrize(("current", "speeds", "expected", "reason"), [
     pytest.param({0: (0, 1, 2, 3), 1: (4, 5, 6, 7)}, {0: 1.0, 1: 1.02}, {0: (0, 1, 2, 3), 1: (4, 5, 6, 7)},
                  "the current quotas are already the best", id="noise-same-quotas"),

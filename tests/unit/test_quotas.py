@@ -97,12 +97,12 @@ def test_a_2x_slow_replica_gets_about_half_the_share():
 
 # ---------------------------------------------------------------- optimality
 
-def brute_force_makespan(seconds, m, floor):
+def brute_force_makespan(seconds, m, floor, leads=None):
     members = list(seconds)
     best = None
     for split in itertools.product(range(floor, m + 1), repeat=len(members)):
         if sum(split) == m:
-            span = makespan(dict(zip(members, split, strict=True)), seconds)
+            span = makespan(dict(zip(members, split, strict=True)), seconds, leads)
             best = span if best is None else min(best, span)
     return best
 
@@ -304,6 +304,65 @@ def test_estimator_with_3_percent_sample_noise_keeps_the_plan_then_follows_a_2x_
     assert "replica 3 measured 2.0x slower than the median" in reason
     others = [len(plan[r]) for r in (0, 1, 2)]
     assert abs(len(plan[3]) - min(others) / 2) <= 1, plan
+
+
+# ---------------------------------------------------------------- leads
+
+LEAD_ROWS = [
+    pytest.param({r: 1.0 for r in range(4)}, {0: 2.0}, 16, {0: 3, 1: 5, 2: 4, 3: 4},
+                 id="two-microbatches-late-gets-about-two-fewer"),
+    pytest.param({r: 0.004 for r in range(4)}, {0: 0.020, 1: 0.002, 2: 0.002, 3: 0.002}, 16,
+                 {0: 1, 1: 5, 2: 5, 3: 5}, id="an-eval-after-every-commit-keeps-the-floor"),
+    pytest.param({0: 0.003, 1: 0.004, 2: 0.004, 3: 0.004}, {0: 0.020, 1: 0.002, 2: 0.002, 3: 0.002},
+                 16, {0: 1, 1: 5, 2: 5, 3: 5},
+                 id="faster-microbatches-do-not-make-up-for-starting-late"),
+    pytest.param({r: 1.0 for r in range(4)}, {r: 1.0 for r in range(4)}, 18,
+                 {0: 5, 1: 5, 2: 4, 3: 4}, id="equal-leads-change-nothing"),
+    pytest.param({0: 1.0, 1: 1.0}, {0: 100.0}, 8, {0: 1, 1: 7}, id="never-below-the-floor"),
+]
+
+
+@pytest.mark.parametrize(("seconds", "leads", "m", "expected"), LEAD_ROWS)
+def test_a_replica_that_starts_late_gets_fewer(seconds, leads, m, expected):
+    # What a replica does between steps (an evaluation, a checkpoint after the commit)
+    # delays its share: its microbatches are planned to finish with the others'.
+    quotas = proportional_quotas(seconds, m, leads=leads)
+    assert quotas == expected
+    floor = 1 if m >= len(seconds) else 0
+    assert makespan(quotas, seconds, leads) == pytest.approx(
+        brute_force_makespan(seconds, m, floor, leads), rel=1e-12)
+
+
+def test_makespan_with_leads_is_optimal_against_brute_force():
+    rng = random.Random(11)
+    for _ in range(120):
+        replicas = rng.randint(1, 3)
+        seconds = {r: rng.choice((0.7, 1.0, 1.5, 3.0)) for r in range(replicas)}
+        leads = {r: rng.choice((0.0, 0.5, 1.0, 2.5, 6.0)) for r in range(replicas)}
+        m, at_least = rng.randint(1, 8), rng.randint(0, 1)
+        floor = at_least if m >= at_least * replicas else 0
+        quotas = proportional_quotas(seconds, m, at_least=at_least, leads=leads)
+        assert makespan(quotas, seconds, leads) == pytest.approx(
+            brute_force_makespan(seconds, m, floor, leads), rel=1e-12), (seconds, leads, m)
+
+
+def test_replanning_weighs_leads_and_says_who_starts_late():
+    even = {r: 1.0 for r in range(4)}
+    assert should_replan({0: 4, 1: 4, 2: 4, 3: 4}, {0: 3, 1: 5, 2: 4, 3: 4}, even,
+                         leads={0: 2.0}) == (True, "replan: predicted step 6s -> 5s, 17% shorter "
+                                                    "(threshold 5%)")
+    assert should_replan({0: 4, 1: 4, 2: 4, 3: 4}, {0: 3, 1: 5, 2: 4, 3: 4}, even)[0] is False
+    eval_leads = {0: 0.020, 1: 0.002, 2: 0.002, 3: 0.002}
+    assert describe_quotas({0: 1, 1: 5, 2: 5, 3: 5}, dict.fromkeys(range(4), 0.004), None,
+                           eval_leads) == (
+        "replica 0 starts its share 18 ms after the median (its time between steps): 1 of 16 "
+        "microbatches; replicas [1, 2, 3] near the median: 5 each")
+    assert "replica 0 starts its share 18 ms after the median (its time between steps), 0.8x " \
+           "the median's time per microbatch: 2 of 16" in describe_quotas(
+               {0: 2, 1: 5, 2: 5, 3: 4}, {0: 0.003, 1: 0.004, 2: 0.004, 3: 0.004}, None, eval_leads)
+    # Late by less than half a microbatch: not worth a word.
+    assert "starts its share" not in describe_quotas(
+        {0: 4, 1: 4}, {0: 1.0, 1: 1.0}, None, {0: 0.4, 1: 0.0})
 
 
 # ---------------------------------------------------------------- describe_quotas

@@ -167,3 +167,26 @@ def test_speeds_reject_a_replica_twice_and_compare_by_value():
     assert Speeds.of({0: 1.0}) != Speeds.of({0: 1.5})
     assert Speeds().median() is None and len(Speeds()) == 0
     assert Speeds.of({0: 1.0, 1: 5.0, 2: 2.0}).median() == 2.0
+
+
+# ---------------------------------------------------------------- leads
+
+def test_leads_are_smoothed_like_speeds_and_unmeasured_ones_sit_at_the_median():
+    estimator = ThroughputEstimator(window=3)
+    # Not measured (0: a step entered by a new generation), or nonsense: ignored.
+    assert [estimator.observe_lead(0, v) for v in (0.0, -1.0, math.nan, math.inf)] == [False] * 4
+    for replica, leads in ((0, (0.020, 0.5, 0.021, 0.022)), (1, (0.002, 0.003)), (2, (0.002,))):
+        for lead in leads:
+            assert estimator.observe_lead(replica, lead)
+    estimator.observe(0, 1, 1.0)
+    speeds = estimator.snapshot()
+    assert speeds.leads == ((0, 0.022), (1, 0.002), (2, 0.002))  # window 3: 0.5 outvoted
+    assert speeds.lead_for([2, 0, 7]) == {2: 0.002, 0: 0.022, 7: 0.002}  # 7: the members' median
+    assert estimator.snapshot([1]).leads == ((1, 0.002),)
+    estimator.forget(0)
+    assert dict(estimator.snapshot().leads) == {1: 0.002, 2: 0.002}
+    assert Speeds.of({0: 1.0}).lead_for([0, 1]) == {0: 0.0, 1: 0.0}  # nobody's: plans as before
+    with pytest.raises(ValueError, match="replica 3: a lead must be finite and >= 0"):
+        Speeds.of({3: 1.0}, {3: -0.1})
+    with pytest.raises(ValueError, match="appears twice"):
+        Speeds(((0, 1.0),), ((0, 0.1), (0, 0.2)))
