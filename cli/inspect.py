@@ -33,9 +33,10 @@ def to_json(message: Message) -> str:
 
 
 def format_load(load: Iterable[pb.ReplicaLoad]) -> str:
-    """replica:quota@measured time per microbatch, e.g. `0:5@100ms 2:2@200ms`."""
+    """replica:quota@measured time per microbatch+lead, e.g. `0:1@100ms+20ms 2:2@200ms+2ms`."""
     return " ".join(f"{entry.replica}:{entry.microbatches}" + (
-        f"@{entry.microbatch_s * 1000:.0f}ms" if entry.microbatch_s else "") for entry in load)
+        f"@{entry.microbatch_s * 1000:.0f}ms" if entry.microbatch_s else "") + (
+        f"+{entry.lead_s * 1000:.0f}ms" if entry.lead_s else "") for entry in load)
 
 
 def format_status(status: pb.JobStatus) -> str:
@@ -51,7 +52,7 @@ def format_status(status: pb.JobStatus) -> str:
                                         else ""),
         *([f"relays      {status.relays}, carrying {status.agents_via_relays} agents' sessions"]
           if status.relays else []),
-        f"plan        {load or '-'} (replica:microbatches@measured time per microbatch)",
+        f"plan        {load or '-'} (replica:microbatches@measured time per microbatch+lead after a commit)",
         *([f"stealing    {status.steals} steals moved {status.microbatches_stolen} "
            "microbatches"] if status.work_stealing else []),
         f"recoveries  {status.recoveries}",

@@ -132,6 +132,7 @@ def run_report(c: Coordinator) -> pb.RunReport:
 def job_status(c: Coordinator) -> pb.JobStatus:
     now = c.finished_at or c.now()
     speeds = c.speeds()
+    leads = dict(speeds.leads)
     return pb.JobStatus(
         job_id=c.job.job_id,
         state=str(c.state),
@@ -141,7 +142,8 @@ def job_status(c: Coordinator) -> pb.JobStatus:
         steps_total=c.job.steps,
         live_replicas=[r for r, info in sorted(c.replicas.items())
                        if info.alive and r not in c.joins.joins],
-        load=[pb.ReplicaLoad(replica=r, microbatches=len(ids), microbatch_s=speeds.get(r, 0.0))
+        load=[pb.ReplicaLoad(replica=r, microbatches=len(ids), microbatch_s=speeds.get(r, 0.0),
+                             lead_s=leads.get(r, 0.0))
               for r, ids in sorted(c.plan.items())],
         recoveries=c.recoveries,
         last_loss=c.steps[-1].loss if c.steps else 0.0,

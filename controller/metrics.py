@@ -17,6 +17,7 @@ walks the coordinator's state. Names (all prefixed `recover_`):
 | `recover_tokens_per_second` | gauge | tokens/s over the last 10 committed steps |
 | `recover_microbatches_planned` | gauge, by replica | microbatches per replica in the current plan (quota) |
 | `recover_microbatch_seconds` | gauge, by replica | measured seconds per microbatch (median of 5 steps) |
+| `recover_lead_seconds` | gauge, by replica | seconds from a commit to its next microbatch (median of 5) |
 | `recover_steals_total` | counter | work-stealing: steals that moved microbatches |
 | `recover_microbatches_stolen_total` | counter | work-stealing: microbatches they moved |
 | `recover_failures_total` | counter, by cause | replica failures (injected, external, watchdog, agent-lost) |
@@ -109,6 +110,12 @@ class ControllerCollector(Collector):
         for replica, seconds in c.speeds().items():
             speeds.add_metric([str(replica)], seconds)
         yield speeds
+        leads = GaugeMetricFamily("recover_lead_seconds",
+                                  "Measured seconds from a commit to the replica's next first "
+                                  "microbatch (what quota policies plan with)", labels=["replica"])
+        for replica, seconds in c.speeds().leads:
+            leads.add_metric([str(replica)], seconds)
+        yield leads
         yield CounterMetricFamily("recover_steals", "Work-stealing: steals that moved microbatches",
                                   value=c.steals.steals)
         yield CounterMetricFamily("recover_microbatches_stolen",

@@ -866,14 +866,16 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaLoad(_message.Message):
-    __slots__ = ("replica", "microbatches", "microbatch_s")
+    __slots__ = ("replica", "microbatches", "microbatch_s", "lead_s")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_S_FIELD_NUMBER: _ClassVar[int]
+    LEAD_S_FIELD_NUMBER: _ClassVar[int]
     replica: int
     microbatches: int
     microbatch_s: float
-    def __init__(self, replica: _Optional[int] = ..., microbatches: _Optional[int] = ..., microbatch_s: _Optional[float] = ...) -> None: ...
+    lead_s: float
+    def __init__(self, replica: _Optional[int] = ..., microbatches: _Optional[int] = ..., microbatch_s: _Optional[float] = ..., lead_s: _Optional[float] = ...) -> None: ...
 
 class JobStatus(_message.Message):
     __slots__ = ("state", "reason", "generation", "steps_committed", "steps_total", "live_replicas", "load", "recoveries", "last_loss", "tokens", "elapsed_s", "agents", "job_id", "redos", "role", "term", "leader", "joining", "work_stealing", "steals", "microbatches_stolen", "relays", "agents_via_relays")

@@ -9,7 +9,11 @@ example's evaluation on the first replica after every commit, side by side:
   before        --policy proportional  on the build in --before DIR (DIR/recover), e.g.
                                         the commit before leads
 
-    python bench/scripts/leads.py --out runs/leads --rounds 6 [--before /tmp/old]
+    python bench/scripts/leads.py --out runs/leads --rounds 6 [--before /tmp/old] [--compute-ms 10]
+
+`--compute-ms C` adds C ms of emulated accelerator time (a sleep) to every microbatch: a
+replica's microbatches then do not share the two cores with the others', as on hosts
+where each replica has its own accelerator; the evaluation still runs on the CPU.
 
 The order of the variants rotates each round. Per run: the median commit-to-commit step
 (steps 3..) and the two most common quotas of steps 3.. (microbatches_by_replica_per_step);
@@ -43,6 +47,8 @@ def run(args: argparse.Namespace, variant: str, out: Path) -> dict:
            "--no-plot", "--replicas", "4", "--agents", "2", "--steps", str(args.steps), "-M", "16",
            "--seed", "1", "--reduce", args.reduce, "--policy", policy, "--", "python",
            str(EXAMPLE), "--width", str(args.width), "--eval-every", str(args.eval_every)]
+    if args.compute_ms:
+        cmd[cmd.index("--"):cmd.index("--")] = ["--compute-ms", str(args.compute_ms)]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=args.run_timeout)
     if done.returncode != 0:
@@ -63,6 +69,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=76, help="76: the demo's 106k parameters")
     parser.add_argument("--eval-every", type=int, default=1)
     parser.add_argument("--reduce", default="fast", choices=("fast", "exact"))
+    parser.add_argument("--compute-ms", type=float, default=0.0)
     parser.add_argument("--before", type=Path, help="a build to compare with (DIR/recover)")
     parser.add_argument("--run-timeout", type=float, default=600)
     args = parser.parse_args()

@@ -107,17 +107,19 @@ def test_quotas_and_measured_speeds_are_visible_in_status_and_metrics():
 
     async def body():
         h = await started()
-        await train(h, 2, {0: 0.1, 1: 0.1, 2: 0.2, 3: 0.1})
+        await train(h, 2, {0: 0.1, 1: 0.1, 2: 0.2, 3: 0.1}, {0: 0.002, 1: 0.002, 2: 0.002})
         return h
 
     h = asyncio.run(body())
     status = job_status(h.coord)
-    assert [(e.replica, e.microbatches, e.microbatch_s) for e in status.load] == [
-        (0, 5, 0.1), (1, 5, 0.1), (2, 2, 0.2), (3, 4, 0.1)]
-    assert "plan        0:5@100ms 1:5@100ms 2:2@200ms 3:4@100ms" in format_status(status)
+    assert [(e.replica, e.microbatches, e.microbatch_s, e.lead_s) for e in status.load] == [
+        (0, 5, 0.1, 0.002), (1, 5, 0.1, 0.002), (2, 2, 0.2, 0.002), (3, 4, 0.1, 0.0)]
+    assert "plan        0:5@100ms+2ms 1:5@100ms+2ms 2:2@200ms+2ms 3:4@100ms" in format_status(status)
     metrics = {m.name: m for m in ControllerCollector(h.coord).collect()}
     samples = {s.labels["replica"]: s.value for s in metrics["recover_microbatch_seconds"].samples}
     assert samples == {"0": 0.1, "1": 0.1, "2": 0.2, "3": 0.1}
+    leads = {s.labels["replica"]: s.value for s in metrics["recover_lead_seconds"].samples}
+    assert leads == {"0": 0.002, "1": 0.002, "2": 0.002}  # 3 reported none: not measured
     quotas_metric = {s.labels["replica"]: s.value
                      for s in metrics["recover_microbatches_planned"].samples}
     assert quotas_metric == {"0": 5, "1": 5, "2": 2, "3": 4}
