@@ -55,6 +55,7 @@ from recover.trainer.faults import hooks_for
 from recover.trainer.gradients import GradientBuckets, GradientLayoutError
 from recover.trainer.groups import group_factory
 from recover.trainer.lossscale import LossScale, make_scaler
+from recover.trainer.memory import keep_freed_memory
 from recover.trainer.overlap import piece_bytes
 from recover.trainer.reduction import make_accumulator
 from recover.trainer.replica import Lockstep, ReplicaBroken, ReplicaRanks
@@ -171,6 +172,7 @@ def init() -> Job:
               "RECOVER_AGENT_ADDR are not set; RECOVER_STANDALONE=0 turns off training here as "
               "one local replica)")
     logs.configure("worker")
+    log.info("%s", keep_freed_memory(), extra={"replica": replica})
     if not _die_with_agent():
         _exit(EXIT_AGENT_GONE, "the agent exited before this worker started")
     rank, size = replica_ranks.from_environment()

@@ -9,8 +9,10 @@ then the accumulator's `after_microbatch` (fast: nothing; exact: quantize, check
 each timed with the device synchronised after it. Per step: `buffers()` + `finish()` (no
 collective: a world of one), the optimizer step, `observe_committed` (exact: the next
 step's scales). Then whole steps without the synchronisations between parts (what a
-replica's step costs). The variants alternate, their order rotated each step; medians over
---steps. BENCHMARKS.md section 13 records what it printed on a GPU.
+replica's step costs). Host memory is kept for the next step as in a worker
+(trainer/memory.py; RECOVER_MALLOC=system: not). The variants alternate, their order
+rotated each step; medians over --steps. BENCHMARKS.md section 13 records what it printed
+on a GPU, section 4e on the CPU.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 from toy_transformer import TinyTransformer, corpus, cross_entropy  # noqa: E402
 
 from recover.trainer.gradients import GradientBuckets  # noqa: E402
+from recover.trainer.memory import keep_freed_memory  # noqa: E402
 from recover.trainer.reduction import make_accumulator  # noqa: E402
 
 VARIANTS = ("fast", "exact", "exact-again")
@@ -46,6 +49,7 @@ def main() -> None:
     parser.add_argument("--microbatch-size", type=int, default=4)
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()
+    told = keep_freed_memory()  # as a worker does (RECOVER_MALLOC=system: not)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.use_deterministic_algorithms(True)  # as examples/hsdp.py in exact mode
@@ -63,7 +67,7 @@ def main() -> None:
     parameters = sum(p.numel() for p in model.parameters())
     print(f"{device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}), "
           f"{parameters / 1e6:.1f}M parameters, {args.microbatches} microbatches a step, "
-          f"torch {torch.__version__}")
+          f"torch {torch.__version__}; {told}")
 
     def sync() -> None:
         if device.type == "cuda":
