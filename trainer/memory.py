@@ -22,8 +22,8 @@ still write into it). The price: up to `TRIM_ABOVE` of freed memory stays reside
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
+from collections.abc import Mapping
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
@@ -36,13 +36,12 @@ copy, once sent, is not kept); a step's buffers below it stay."""
 OPT_OUT = "RECOVER_MALLOC"
 
 
-def keep_freed_memory(environ: os._Environ[str] | dict[str, str] = os.environ) -> str:
+def keep_freed_memory(environ: Mapping[str, str] = os.environ) -> str:
     """Configure this process's malloc as the module says; what was done, for the log."""
     if environ.get(OPT_OUT, "") == "system":
         return f"malloc left at the C library's defaults ({OPT_OUT}=system)"
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name or "libc.so.6")
+        libc = ctypes.CDLL(None)  # the process's own symbols, libc's among them (no search)
         mallopt = libc.mallopt
         version = libc.gnu_get_libc_version
     except (OSError, AttributeError):
