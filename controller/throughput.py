@@ -203,8 +203,9 @@ class ThroughputEstimator:
         tell (and say in its reason) which quotas rest on an assumption.
         """
         estimates = self._own_estimates()
-        leads = {r: lead for r, samples in self._lead_samples.items()
-                 if (lead := low_median(samples)) is not None}
+        # Copies: the metrics' thread takes snapshots while the control loop observes.
+        leads = {r: lead for r, samples in list(self._lead_samples.items())
+                 if (lead := low_median(list(samples))) is not None}
         if replicas is not None:
             wanted = set(replicas)
             estimates = {r: s for r, s in estimates.items() if r in wanted}
@@ -212,4 +213,5 @@ class ThroughputEstimator:
         return Speeds.of(estimates, leads)
 
     def _own_estimates(self) -> dict[int, float]:
-        return {r: s for r in self._samples if (s := low_median(self._samples[r])) is not None}
+        return {r: s for r, samples in list(self._samples.items())
+                if (s := low_median(list(samples))) is not None}

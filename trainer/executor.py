@@ -109,6 +109,10 @@ class StepExecutor(JoinSteps):
 
     def _work(self) -> None:
         s = self.state
+        if s.committed_at is not None:  # the step's first work: the time between steps
+            # Here, not at the first microbatch: a member with none (a quota of 0, a share
+            # stolen whole) reduces or reports idle instead, and its lead counts the same.
+            s.lead_s, s.committed_at = time.perf_counter() - s.committed_at, None
         if len(s.done) < len(s.assigned):
             self._compute(s.assigned[len(s.done)])
         elif s.open:
@@ -225,8 +229,6 @@ class StepExecutor(JoinSteps):
     def _compute_microbatch(self, microbatch: int) -> None:
         s, hooks = self.state, self.hooks
         started = time.perf_counter()
-        if s.committed_at is not None:  # the step's first microbatch: the time between steps
-            s.lead_s, s.committed_at = started - s.committed_at, None
         position = len(s.done)
         count = len(s.original) or len(s.assigned)
         points = hooks.before_microbatch(s.step, position, count,

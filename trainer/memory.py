@@ -14,9 +14,13 @@ memory back to the system only when more than `TRIM_ABOVE` is free at the heap's
 freed buffer is reused by the next step's, pages and all. Why this and not pools of our
 own: a buffer is reused only once nothing refers to it any more, which the allocator knows
 and our code would have to prove (a donor's queue, a reduction abandoned while gloo may
-still write into it). The price: up to `TRIM_ABOVE` of freed memory stays resident.
+still write into it). The price: a worker's resident memory stays near its peak (freed
+memory goes back only from the heap's top, when more than `TRIM_ABOVE` is free there; the
+peak itself is unchanged: measured the same with and without, BENCHMARKS.md 4e), and so
+does that of processes it forks (DataLoader workers).
 
-`RECOVER_MALLOC=system` leaves glibc's defaults; other C libraries are left as they are.
+`RECOVER_MALLOC=system` leaves glibc's defaults, and so does any malloc setting of the
+user's own (`MALLOC_*_` variables, `GLIBC_TUNABLES`); other C libraries are left as they are.
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ M_MMAP_MAX = -4
 """glibc's mallopt parameters (malloc.h)."""
 
 TRIM_ABOVE = 1 << 30
-"""Free memory at the heap's top beyond this goes back to the system (a 2 GB snapshot's
-copy, once sent, is not kept); a step's buffers below it stay."""
+"""Free memory at the heap's top beyond this goes back to the system; a step's buffers
+below it stay."""
 
 OPT_OUT = "RECOVER_MALLOC"
 
@@ -40,6 +44,10 @@ def keep_freed_memory(environ: Mapping[str, str] = os.environ) -> str:
     """Configure this process's malloc as the module says; what was done, for the log."""
     if environ.get(OPT_OUT, "") == "system":
         return f"malloc left at the C library's defaults ({OPT_OUT}=system)"
+    own = sorted(k for k in environ if k.startswith("MALLOC_")
+                 or (k == "GLIBC_TUNABLES" and "glibc.malloc." in environ[k]))
+    if own:
+        return f"malloc left as the environment sets it ({', '.join(own)})"
     try:
         libc = ctypes.CDLL(None)  # the process's own symbols, libc's among them (no search)
         mallopt = libc.mallopt

@@ -42,7 +42,7 @@ class StepState:
     committed_at: float | None = None
     """When the commit of the step before was handled (perf_counter), if this step followed it."""
     lead_s: float = 0.0
-    """From `committed_at` to this step's first microbatch (0: not measured): pb.Reduced.lead_s."""
+    """From `committed_at` to this step's first work (0: not measured): pb.Reduced.lead_s."""
     open: bool = False
     """Work-stealing: the share may still change; reduce only once the controller closes it."""
     idle_reported: bool = False
