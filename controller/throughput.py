@@ -55,19 +55,20 @@ def low_median(values: Iterable[float]) -> float | None:
     return ordered[(len(ordered) - 1) // 2]
 
 
-def _check_seconds(replica: int, seconds: float) -> float:
-    seconds = float(seconds)
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"replica {replica}: seconds per microbatch must be finite and > 0, "
-                         f"got {seconds}")
-    return seconds
-
-
-def _check_lead(replica: int, seconds: float) -> float:
-    seconds = float(seconds)
-    if not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(f"replica {replica}: a lead must be finite and >= 0, got {seconds}")
-    return seconds
+def _checked(pairs: tuple[tuple[int, float], ...], what: str,
+             zero_ok: bool) -> dict[int, float]:
+    """`pairs` as replica -> seconds, each finite and > 0 (>= 0 when `zero_ok`), each
+    replica once; else ValueError naming the replica and `what` the seconds are."""
+    checked: dict[int, float] = {}
+    for replica, value in pairs:
+        seconds = float(value)
+        if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not zero_ok):
+            raise ValueError(f"replica {replica}: {what} must be finite and "
+                             f"{'>=' if zero_ok else '>'} 0, got {seconds}")
+        checked[int(replica)] = seconds
+    if len(checked) != len(pairs):
+        raise ValueError(f"a replica appears twice in {pairs}")
+    return checked
 
 
 @dataclass(frozen=True)
@@ -88,12 +89,8 @@ class Speeds(Mapping[int, float]):
     _leads: dict[int, float] = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        checked = {int(r): _check_seconds(r, s) for r, s in self.pairs}
-        if len(checked) != len(self.pairs):
-            raise ValueError(f"a replica appears twice in {self.pairs}")
-        leads = {int(r): _check_lead(r, s) for r, s in self.leads}
-        if len(leads) != len(self.leads):
-            raise ValueError(f"a replica appears twice in {self.leads}")
+        checked = _checked(self.pairs, "seconds per microbatch", zero_ok=False)
+        leads = _checked(self.leads, "a lead", zero_ok=True)
         object.__setattr__(self, "pairs", tuple(sorted(checked.items())))
         object.__setattr__(self, "_by_replica", checked)
         object.__setattr__(self, "leads", tuple(sorted(leads.items())))
