@@ -196,6 +196,8 @@ class GenerationGroup:
         self._closed = False
         self._in_flight = 0  # collectives started and not yet waited for
         self._given_up: list[Any] = []  # works an abort() stopped waiting for, maybe running
+        self._unwaited: list[Any] = []
+        """Works started and not yet waited for (an early reduction's pieces wait later)."""
         self._before: set[int] | None = None  # socket inodes that existed before connect()
         self._owned: set[int] | None = None  # socket inodes this generation may shut down
         self._error: str | None = None
@@ -298,6 +300,8 @@ class GenerationGroup:
         del pg
         if started is not None:
             self._failed(started)
+        with self._lock:
+            self._unwaited.append(work)
         waited = False
 
         def wait() -> None:
@@ -305,6 +309,8 @@ class GenerationGroup:
             if waited:
                 return
             waited = True
+            with self._lock:
+                self._unwaited.remove(work)
             error: str | None = None
             finished = True
             try:
@@ -364,7 +370,10 @@ class GenerationGroup:
                 self._sweep()
             self._closed = self._aborted = True
             pg, store, self._pg, self._store = self._pg, self._store, None, None
-            running = [work for work in self._given_up if not work.is_completed()]
+            # A work started and not yet waited for is in flight as much as a given-up one:
+            # destroying the group under it waits for gloo's timeout (a 30 s recovery).
+            running = [work for work in self._given_up + self._unwaited
+                       if not work.is_completed()]
             self._given_up = []
         self._wake.set()
         if running:  # destroying it now would wait for gloo's timeout to end them
