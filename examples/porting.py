@@ -84,6 +84,9 @@ def on_step(info: rt.StepInfo) -> None:
         writer.add_scalar("train/lr", info.lr, info.step)
         if info.loss_scale is not None:  # fp16 (info.skipped: the step's gradient overflowed)
             writer.add_scalar("train/loss_scale", info.loss_scale, info.step)
+        # Every step: the writer writes from a thread of its own, so a first replica killed
+        # before that thread ran loses the step (the one taking over logs from the next).
+        writer.flush()
     if (info.step + 1) % args.eval_every:
         return
     model.eval()
