@@ -108,3 +108,30 @@ def test_an_aborted_group_stops_waiting_closes_at_once_and_is_destroyed_once_glo
         group.close()
         server.close()
     assert WAIT_SLICE.total_seconds() <= 0.05
+
+
+def test_a_group_closed_under_a_started_unwaited_collective_is_buried_not_destroyed() -> None:
+    # The once-in-a-while 30 s recovery (bench/results/flake-kill-each-phase): an exact
+    # piece's reduction started during the backward, a peer died before it was waited for,
+    # and close() destroyed the group under it, which waits for gloo's own timeout.
+    server = RendezvousServer()
+    group = GenerationGroup(GroupSpec(1, 0, 1, "127.0.0.1", server.port, timeout_s=10))
+    try:
+        group.connect()
+        stuck = StuckGroup()
+        real, group._pg = group._pg, stuck  # type: ignore[assignment]
+        wait = group.start_allreduce_sum_(torch.ones(8))  # started, never waited for
+        assert stuck.works and not stuck.works[0].is_completed()
+        before = graveyard.buried()
+        closing = time.monotonic()
+        group.close()
+        assert time.monotonic() - closing < 0.5 and graveyard.buried() == before + 1
+        with pytest.raises(CollectiveAborted):
+            wait()  # a late wait is told the group is gone, at once
+        stuck.works[0].done.set()
+        graveyard.purge()
+        assert graveyard.buried() == before
+        del real
+    finally:
+        group.close()
+        server.close()
