@@ -468,6 +468,32 @@ def test_the_time_between_steps_is_reported_as_each_replica_s_lead(baseline: Run
         assert all(leads[(step, r)] > 0 for r in range(1, REPLICAS))
 
 
+
+def test_a_new_generation_before_the_first_microbatch_leaves_no_lead(baseline: Run) -> None:
+    # Replica 0's callback after step 1's commit returns only once the generation that drops
+    # replica 2 (killed in step 2's forward) waits in its channel: that wait is the failure's,
+    # not time replica 0 spends between its steps, so step 2's reduction reports no lead.
+    def wait_for_the_new_generation(executors: dict[int, StepExecutor]) -> None:
+        channel = executors[0].channel
+
+        def callback(info: Any) -> None:
+            if info.step != 1:
+                return
+            deadline = time.monotonic() + SAFETY_S
+            while not any(c.WhichOneof("kind") == "generation"
+                          for c in list(channel._incoming.queue)):
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+
+        executors[0].workload.on_step_committed = callback
+
+    run = train(faults=(kill(2, 2, "forward"),), prepare=wait_for_the_new_generation)
+    assert_survivors_match(run, baseline, lost=[2])
+    assert (2, 2) in run.controller.commits
+    assert run.controller.leads[(2, 0)] == 0.0
+    assert run.controller.leads[(3, 0)] > 0  # measured again from the next commit
+
+
 def samples(workers: int) -> Any:
     """A dataset source (4 samples per microbatch), loading ahead on `workers` threads."""
     from torch.utils.data import TensorDataset
