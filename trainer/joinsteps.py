@@ -31,13 +31,20 @@ class JoinSteps(ExecutorBase):
         and stream it, then every step committed from now on, to the joiner."""
         if self.lockstep is not None:  # rank k of the donor streams to rank k of the joiner
             command = self._my_part(command)
-        self.settle_digests()  # the snapshot's ledger holds every applied step's digest
-        snapshot = encode(self.training_state())
         self.donations = [d for d in self.donations if not d.done.is_set()]
         step = self.state.step
-        self.donations.append(Donation(command, self.replica, snapshot, step,
-                                       functools.partial(self.hooks.after_snapshot_sent, step)))
-        log.info("donating state of step %d to replica %d (%.1f MB)", self.state.step,
+        # Made first: its thread connects to the joiner while this one takes the snapshot.
+        donation = Donation(command, self.replica, step,
+                            functools.partial(self.hooks.after_snapshot_sent, step))
+        self.donations.append(donation)
+        try:
+            self.settle_digests()  # the snapshot's ledger holds every applied step's digest
+            snapshot = encode(self.training_state())
+        except BaseException as exc:
+            donation.abandon(f"the donor could not take its snapshot: {exc}")
+            raise
+        donation.send_snapshot(snapshot)
+        log.info("donating state of step %d to replica %d (%.1f MB)", step,
                  command.joiner, snapshot.nbytes / 1e6, extra=self._ctx())
 
     def _my_part(self, command: pb.Donate) -> pb.Donate:

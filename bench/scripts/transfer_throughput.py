@@ -11,17 +11,21 @@ Variants, alternating, `--reps` each, a fresh receiver process (imports done
 before the clock starts) serving each:
 
 - `stream`: the product. The donor copies its snapshot (encode, as a donor
-  does between two steps); its `Donation` sends the layout (a PREVIEW frame),
+  does between two steps) while its `Donation`'s thread connects; it sends the layout (a PREVIEW frame),
   then the bytes; the joiner's `Catchup` prepares a destination for every
   tensor from the preview (its built model's weights in place, new memory
   touched once for the moments), then receives.
 - `stream-tls`: `stream` over TLS 1.3, as when the control plane runs TLS: the joiner's
   listener presents a certificate made for it, the donor pins its digest (issue 22).
+- `stream-serial`, `stream-tls-serial`: the same, the donor connecting only after its
+  copy (the order before 2026-11-28): what connecting during the copy saves.
 - `stream-fresh`: the design before (copy, connect, one SNAPSHOT frame received
   into tensors allocated as it arrives).
 - `raw`: the same number of bytes through a plain socket into a buffer touched
   before the clock starts (the best a socket can do here); `raw-fresh`: into a
   buffer allocated just before.
+
+Both processes keep freed memory as workers do (`trainer/memory.py`, since 2026-11-28).
 
 Clocks are CLOCK_MONOTONIC, shared by the two processes: the receiver reports
 when its last byte landed (and, for `stream`, when its destinations were
@@ -61,11 +65,15 @@ from recover.bench.env import environment
 from recover.proto import pb
 from recover.trainer.destinations import own_tensors
 from recover.trainer.joining import Catchup, Donation
+from recover.trainer.memory import keep_freed_memory
 from recover.trainer.statewire import as_bytes, encode
 from recover.trainer.transfer import FrameKind, Listener, connect
 
 TOKEN = "bench-token"
-VARIANTS = ("stream", "stream-tls", "stream-fresh", "raw", "raw-fresh")
+VARIANTS = ("stream", "stream-tls", "stream-serial", "stream-tls-serial", "stream-fresh", "raw",
+            "raw-fresh")
+JOINS = ("stream", "stream-tls", "stream-serial", "stream-tls-serial")
+"""The variants that run the product's Donation and Catchup."""
 SIZE = struct.Struct("<Q")
 SUBNET = "10.213.48"
 """`--link-gbit`: addresses that exist only on the benchmark's veth pair, in its namespaces."""
@@ -100,9 +108,8 @@ def receive(variant: str, nbytes: int, mb: int, layers: int, host: str) -> None:
     byte landed and a crc of its edges."""
     prepared = prepare_s = 0.0
     if variant.startswith("stream"):
-        listener = Listener(host, tls=variant == "stream-tls")
-        own = (own_tensors(build_state(mb, layers, moments=False))
-               if variant in ("stream", "stream-tls") else None)
+        listener = Listener(host, tls="tls" in variant)
+        own = own_tensors(build_state(mb, layers, moments=False)) if variant in JOINS else None
         print(listener.address, listener.tls_sha256, flush=True)
         command = pb.Join(joiner=1, donor=0, token=TOKEN, attempt=1)
         cpu_before = time.process_time()
@@ -168,11 +175,16 @@ def send_once(variant: str, state: dict[str, Any], flat: torch.Tensor, mb: int,
     timings: dict[str, float] = {}
     started = time.monotonic()
     cpu_before = time.process_time()
-    if variant in ("stream", "stream-tls"):
+    if variant in JOINS:
+        serial = variant.endswith("-serial")
+        donate = pb.Donate(donor=0, joiner=1, address=address, token=TOKEN, tls_sha256=pin)
+        # As a donor does: its thread connects while the training thread copies.
+        donation = None if serial else Donation(donate, 0, 0)
         snapshot = encode(state)  # the donor's copy
         copied = time.monotonic()
-        donation = Donation(pb.Donate(donor=0, joiner=1, address=address, token=TOKEN,
-                                      tls_sha256=pin), 0, snapshot, 0)
+        donation = donation or Donation(donate, 0, 0)
+        donation.send_snapshot(snapshot)
+        del snapshot
         donation.finish_before(0)  # no steps to catch up: END follows the snapshot
         donation.done.wait(120)
         if donation.failed:
@@ -221,6 +233,7 @@ def main() -> int:
     parser.add_argument("--receiver-host", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--joiner-netns", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    keep_freed_memory()  # both ends are workers, which keep it (rt.init)
     if args.receiver:
         receive(args.receiver, args.nbytes, args.mb, args.layers, args.receiver_host)
         return 0
@@ -264,7 +277,7 @@ def main() -> int:
     copy_s = {v: statistics.median(t["copy"] for t in timings[v]) for v in variants
               if v.startswith("stream")}
     prepare_s = {v: statistics.median(t["prepare"] for t in timings[v]) for v in variants
-                 if v in ("stream", "stream-tls")}
+                 if v in JOINS}
     cpu_s = {v: statistics.median(t["cpu"] for t in timings[v]) for v in prepare_s}
     per_rep = ([round(s / r, 3) for s, r in zip(rates("stream", "wire"), rates("raw", "wire"),
                                                  strict=True)]
@@ -274,6 +287,7 @@ def main() -> int:
                    if {"stream", "stream-tls"} <= set(variants) else None)
     stream_vs_raw = ratio("stream", "raw", med)
     tls_join = ratio("stream-tls", "stream", join_s)
+    tls_join_serial = ratio("stream-tls-serial", "stream-serial", join_s)
     result = {
         "benchmark": "transfer_throughput", "bytes": nbytes, "tensors": len(layout.tensors),
         "reps": args.reps, "variants": list(variants),
@@ -291,6 +305,9 @@ def main() -> int:
         "ratio_per_rep": per_rep,
         "join_ratio_stream_vs_stream_fresh": ratio("stream", "stream-fresh", join_s),
         "join_ratio_tls_vs_stream": tls_join, "join_ratio_tls_per_rep": tls_per_rep,
+        "join_ratio_tls_vs_stream_serial": tls_join_serial,
+        "join_ratio_stream_vs_serial": ratio("stream", "stream-serial", join_s),
+        "join_ratio_tls_vs_tls_serial": ratio("stream-tls", "stream-tls-serial", join_s),
         "target_ratio": 0.8,
         "target_met": None if stream_vs_raw is None else stream_vs_raw >= 0.8,
         "tls_target_ratio": 1.2, "tls_target_met": None if tls_join is None else tls_join <= 1.2,
@@ -303,8 +320,8 @@ def main() -> int:
               f"{join_s[v] * 1000:.0f} ms |")
     print(f"stream / raw = {stream_vs_raw} (per rep {per_rep}); whole join stream / "
           f"stream-fresh = {result['join_ratio_stream_vs_stream_fresh']}; tls / stream join = "
-          f"{tls_join} (per rep {tls_per_rep}); the joiner's preparation {prepare_s} s, CPU of "
-          f"both ends {cpu_s} s (medians)")
+          f"{tls_join} (per rep {tls_per_rep}), connecting after the copy {tls_join_serial}; "
+          f"the joiner's preparation {prepare_s} s, CPU of both ends {cpu_s} s (medians)")
     return 0
 
 
