@@ -25,7 +25,9 @@ before the clock starts) serving each:
   before the clock starts (the best a socket can do here); `raw-fresh`: into a
   buffer allocated just before.
 
-Both processes keep freed memory as workers do (`trainer/memory.py`, since 2026-11-28).
+Both processes keep freed memory as workers do (`trainer/memory.py`), and the donor computes
+for 20 ms before each join's clock starts, as a training donor is busy up to its snapshot
+(both since 2026-11-28: an idle donor's copy was 2-24 ms instead of ~1 ms, the CPU waking).
 
 Clocks are CLOCK_MONOTONIC, shared by the two processes: the receiver reports
 when its last byte landed (and, for `stream`, when its destinations were
@@ -160,6 +162,16 @@ def receive(variant: str, nbytes: int, mb: int, layers: int, host: str) -> None:
     print(cpu, flush=True)
 
 
+def busy(seconds: float) -> None:
+    """Compute for `seconds`, as a donor trains right up to its snapshot. Measured: after
+    50 ms idle (this process waiting for its receiver) a 2 MB copy took 2-24 ms, the CPU
+    waking; busy before, 0.8-1.3 ms (2026-11-28), the same as with a thread started."""
+    x = torch.ones(128, 128)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        x @ x
+
+
 def send_once(variant: str, state: dict[str, Any], flat: torch.Tensor, mb: int,
               layers: int, joiner_netns: str = "") -> tuple[dict[str, float], bool]:
     """One transfer to a fresh receiver: its timings, and whether the receiver's crc matched."""
@@ -173,6 +185,7 @@ def send_once(variant: str, state: dict[str, Any], flat: torch.Tensor, mb: int,
     address, _, pin = proc.stdout.readline().strip().partition(" ")
     host, _, port = address.rpartition(":")
     timings: dict[str, float] = {}
+    busy(0.02)
     started = time.monotonic()
     cpu_before = time.process_time()
     if variant in JOINS:
