@@ -48,6 +48,7 @@ link of that speed, each side on its own core (needs root and iproute2).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import socket
@@ -67,7 +68,11 @@ from recover.bench.env import environment
 from recover.proto import pb
 from recover.trainer.destinations import own_tensors
 from recover.trainer.joining import Catchup, Donation
-from recover.trainer.memory import keep_freed_memory
+
+try:
+    from recover.trainer.memory import keep_freed_memory
+except ImportError:  # a build before 2026-11-27 (join_before_after.py runs this on one)
+    keep_freed_memory = None  # type: ignore[assignment]
 from recover.trainer.statewire import as_bytes, encode
 from recover.trainer.transfer import FrameKind, Listener, connect
 
@@ -105,14 +110,19 @@ def crc_of(edges: bytes) -> int:
     return zlib.crc32(edges)
 
 
-def receive(variant: str, nbytes: int, mb: int, layers: int, host: str) -> None:
+def receive(variant: str, nbytes: int, mb: int, layers: int, host: str,
+            check_digest: bool = False) -> None:
     """Receiver process: announce an address on stdout, take one transfer, print when its last
-    byte landed and a crc of its edges."""
-    prepared = prepare_s = 0.0
+    byte landed and a crc of its edges. `check_digest`: then hash the weights received, as a
+    joiner does for the controller to check them against the committed digest."""
+    prepared = prepare_s = checked = 0.0
+    if check_digest:  # imported as a worker has it, before any join
+        from recover.trainer.digest import step_digest
     if variant.startswith("stream"):
-        listener = Listener(host, tls="tls" in variant)
+        # Builds before issue 22 have no TLS (nor the argument).
+        listener = Listener(host, tls=True) if "tls" in variant else Listener(host)
         own = own_tensors(build_state(mb, layers, moments=False)) if variant in JOINS else None
-        print(listener.address, listener.tls_sha256, flush=True)
+        print(listener.address, getattr(listener, "tls_sha256", ""), flush=True)
         command = pb.Join(joiner=1, donor=0, token=TOKEN, attempt=1)
         cpu_before = time.process_time()
         if own is None:
@@ -130,6 +140,9 @@ def receive(variant: str, nbytes: int, mb: int, layers: int, host: str) -> None:
             tensors = list(catchup.state["model"].values()) + [
                 m for moments in catchup.state["optimizer"]["state"].values()
                 for m in moments.values()]
+            if check_digest:
+                step_digest(list(catchup.state["model"].items()))
+                checked = time.monotonic()
             assert catchup.next() is None
             catchup.close()
         edges = bytes(as_bytes(tensors[0]))[:EDGE] + bytes(as_bytes(tensors[-1]))[-EDGE:]
@@ -160,6 +173,7 @@ def receive(variant: str, nbytes: int, mb: int, layers: int, host: str) -> None:
     print(prepare_s, flush=True)
     print(crc_of(edges), flush=True)
     print(cpu, flush=True)
+    print(checked, flush=True)
 
 
 def busy(seconds: float) -> None:
@@ -172,14 +186,32 @@ def busy(seconds: float) -> None:
         x @ x
 
 
+OLD_DONATION = "snapshot" in inspect.signature(Donation).parameters
+"""A build whose donor connects after its copy: `stream` there is `stream-serial`."""
+
+
+def donation(donate: pb.Donate, snapshot: Any | None) -> Donation:
+    """A Donation of this build: made before its snapshot (and handed it when given), or,
+    in builds before 2026-11-28, made with it."""
+    if OLD_DONATION:
+        assert snapshot is not None
+        return Donation(donate, 0, snapshot, 0)  # type: ignore[call-arg, arg-type]
+    made = Donation(donate, 0, 0)
+    if snapshot is not None:
+        made.send_snapshot(snapshot)
+    return made
+
+
 def send_once(variant: str, state: dict[str, Any], flat: torch.Tensor, mb: int,
-              layers: int, joiner_netns: str = "") -> tuple[dict[str, float], bool]:
+              layers: int, joiner_netns: str = "", check_digest: bool = False,
+              ) -> tuple[dict[str, float], bool]:
     """One transfer to a fresh receiver: its timings, and whether the receiver's crc matched."""
     nbytes = flat.numel()
     where = ["ip", "netns", "exec", joiner_netns] if joiner_netns else []
     host = f"{SUBNET}.2" if joiner_netns else "127.0.0.1"
     proc = subprocess.Popen([*where, sys.executable, __file__, "--receiver", variant, "--nbytes",
                              str(nbytes), "--mb", str(mb), "--layers", str(layers),
+                             *(["--check-digest"] if check_digest else []),
                              "--receiver-host", host], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     address, _, pin = proc.stdout.readline().strip().partition(" ")
@@ -190,19 +222,23 @@ def send_once(variant: str, state: dict[str, Any], flat: torch.Tensor, mb: int,
     cpu_before = time.process_time()
     if variant in JOINS:
         serial = variant.endswith("-serial")
-        donate = pb.Donate(donor=0, joiner=1, address=address, token=TOKEN, tls_sha256=pin)
+        donate = pb.Donate(donor=0, joiner=1, address=address, token=TOKEN)
+        if pin:  # builds before issue 22 have no TLS (nor the field)
+            donate.tls_sha256 = pin
         # As a donor does: its thread connects while the training thread copies.
-        donation = None if serial else Donation(donate, 0, 0)
+        donor = None if serial or OLD_DONATION else donation(donate, None)
         snapshot = encode(state)  # the donor's copy
         copied = time.monotonic()
-        donation = donation or Donation(donate, 0, 0)
-        donation.send_snapshot(snapshot)
+        if donor is None:
+            donor = donation(donate, snapshot)
+        else:
+            donor.send_snapshot(snapshot)
         del snapshot
-        donation.finish_before(0)  # no steps to catch up: END follows the snapshot
-        donation.done.wait(120)
-        if donation.failed:
-            print(f"donation failed: {donation.failed}", file=sys.stderr)
-        assert not donation.failed, donation.failed
+        donor.finish_before(0)  # no steps to catch up: END follows the snapshot
+        donor.done.wait(120)
+        if donor.failed:
+            print(f"donation failed: {donor.failed}", file=sys.stderr)
+        assert not donor.failed, donor.failed
     elif variant == "stream-fresh":
         snapshot = encode(state)
         copied = time.monotonic()
@@ -222,10 +258,12 @@ def send_once(variant: str, state: dict[str, Any], flat: torch.Tensor, mb: int,
     donor_cpu = time.process_time() - cpu_before
     crc = int(proc.stdout.readline())
     joiner_cpu = float(proc.stdout.readline())
+    checked = float(proc.stdout.readline())
     proc.wait(timeout=60)
     # CPU seconds of both ends (every thread; the joiner's from its first wait for a donor):
     # what a join costs the two cores it shares here.
     timings = {"wire": landed - (prepared or copied), "join": landed - started,
+               "join_checked": (checked or landed) - started,
                "copy": copied - started, "prepare": prepare_s, "cpu": donor_cpu + joiner_cpu}
     whole = as_bytes(flat)
     return timings, crc == crc_of(bytes(whole[:EDGE]) + bytes(whole[-EDGE:]))
@@ -239,6 +277,9 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--check-digest", action="store_true",
+                        help="the joiner hashes the weights it received (what a joiner does since "
+                             "issue 22); `join_checked` includes it")
     parser.add_argument("--link-gbit", type=float,
                         help="between two network namespaces over a veth shaped to this rate")
     parser.add_argument("--receiver", choices=VARIANTS, help=argparse.SUPPRESS)
@@ -246,9 +287,11 @@ def main() -> int:
     parser.add_argument("--receiver-host", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--joiner-netns", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    keep_freed_memory()  # both ends are workers, which keep it (rt.init)
+    if keep_freed_memory is not None:
+        keep_freed_memory()  # both ends are workers, which keep it (rt.init)
     if args.receiver:
-        receive(args.receiver, args.nbytes, args.mb, args.layers, args.receiver_host)
+        receive(args.receiver, args.nbytes, args.mb, args.layers, args.receiver_host,
+                args.check_digest)
         return 0
     if not args.out:
         parser.error("--out is required")
@@ -270,7 +313,8 @@ def main() -> int:
     for rep in range(args.reps):
         order = variants[rep % len(variants):] + variants[:rep % len(variants)]  # rotate the first
         for variant in order:
-            timing, ok = send_once(variant, state, flat, args.mb, args.layers, args.joiner_netns)
+            timing, ok = send_once(variant, state, flat, args.mb, args.layers, args.joiner_netns,
+                                   args.check_digest)
             if not ok:
                 raise SystemExit(f"{variant}: the receiver got different bytes")
             timings[variant].append(timing)
@@ -309,6 +353,9 @@ def main() -> int:
         "wire_mb_per_s": {v: {"median": round(med[v], 1), "min": round(min(rates(v, "wire")), 1),
                               "max": round(max(rates(v, "wire")), 1)} for v in variants},
         "join_s_median": {v: round(join_s[v], 4) for v in variants},
+        "join_checked_s_median": {v: round(statistics.median(t["join_checked"] for t in timings[v]), 4)
+                                  for v in variants},
+        "check_digest": args.check_digest,
         "donor_copy_s_median": {v: round(copy_s[v], 4) for v in copy_s},
         "joiner_prepare_s_median": {v: round(prepare_s[v], 4) for v in prepare_s},
         "donor_plus_joiner_cpu_s_median": {v: round(cpu_s[v], 4) for v in cpu_s},
