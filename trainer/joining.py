@@ -4,9 +4,7 @@ The donor never stops training for a join. On the controller's word it takes a
 snapshot of its state between two steps (a copy in memory: parameters,
 optimizer, scheduler, extra state, exact-reduction scales, the step), and a
 background thread sends it, then the reduced gradient of every step the donor
-commits from then on. The thread connects while the snapshot is taken: the TCP
-connect, the TLS handshake and the donor's hello cost the join nothing when the
-copy takes longer. The joiner loads the snapshot and applies those
+commits from then on. The joiner loads the snapshot and applies those
 gradients with its own optimizer, exactly as the donor did, so it reaches the
 donor's state bit for bit, and keeps up until the controller admits it into
 a generation at a step boundary. The donor stops streaming once it has sent
@@ -34,6 +32,11 @@ log = logging.getLogger("recover.trainer")
 
 CONNECT_TIMEOUT_S = 30.0
 """How long a donor tries to reach its joiner, and a joiner waits for its donor."""
+SEAL_FROM_BYTES = 1 << 20
+"""Under TLS, a snapshot this large or larger goes in sealed records (trainer/sealed.py):
+Python's TLS reads 16 KB a call, sealing costs one round trip more before the first byte
+(0.13 ms on loopback, won back after ~0.4 MB: BENCHMARKS.md "Over TLS"). At the demo's 2 MB
+the TLS join's wire rate doubles (736 -> 1,583 MB/s); 16 MiB before."""
 MAX_BACKLOG_STEPS = 256
 """Committed steps a donor holds for a joiner that reads slower than it trains; beyond that
 the join is given up (the controller starts another one from a fresh snapshot)."""
@@ -51,20 +54,18 @@ class Committed:
 
 
 class Donation:
-    """The donor's side of one join. Made before the snapshot is taken, so that its thread
-    connects meanwhile; the training loop then hands it the snapshot (`send_snapshot`, or
-    `abandon` when none can be taken) and `offer`s every step it applies from then on."""
+    """The donor's side of one join; `offer` is called by the training loop after every
+    applied step, the sending happens on a thread of its own."""
 
-    def __init__(self, command: pb.Donate, donor: int, step: int,
+    def __init__(self, command: pb.Donate, donor: int, snapshot: EncodedState, step: int,
                  after_snapshot: Callable[[], None] | None = None) -> None:
-        """`step`: the step the snapshot is taken at (the joiner applies the steps from it)."""
         self.joiner = command.joiner
         self._after_snapshot = after_snapshot
         """The step hooks' point once the snapshot is sent (`--kill ...,phase=donate` kills the
         donor there, mid-stream); a no-op in production."""
         self._command = command
         self._donor = donor
-        self._snapshots: queue.SimpleQueue[EncodedState | None] = queue.SimpleQueue()
+        self._snapshot = snapshot
         self._next = step
         self._queue: queue.SimpleQueue[Committed | None] = queue.SimpleQueue()
         self._entry: int | None = None
@@ -76,17 +77,6 @@ class Donation:
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"donate-to-{command.joiner}")
         self._thread.start()
-
-    def send_snapshot(self, snapshot: EncodedState) -> None:
-        """The state at the step given when made: sent once connected, then freed."""
-        if not self.done.is_set():
-            self._snapshots.put(snapshot)
-
-    def abandon(self, reason: str) -> None:
-        """No snapshot comes (taking it failed): the joiner is told why, the thread ends."""
-        self.failed = self.failed or reason
-        self._snapshots.put(None)
-        self._queue.put(None)
 
     def offer(self, step: pb.CatchUpStep, grads: list[torch.Tensor]) -> None:
         if self.done.is_set():
@@ -111,26 +101,18 @@ class Donation:
     def _run(self) -> None:
         started = time.monotonic()
         stream: Stream | None = None
-        abandoned = False
         try:
-            # Under TLS the bytes always go in sealed records (trainer/sealed.py): Python's
-            # TLS reads 16 KB a call, and the round trip sealing costs first (0.13 ms on
-            # loopback) is taken while the training thread copies the snapshot.
             stream = connect(self._command.address, pb.TransferHello(
                 token=self._command.token, donor=self._donor, joiner=self.joiner),
                 CONNECT_TIMEOUT_S, tls_sha256=self._command.tls_sha256,
-                seal=bool(self._command.tls_sha256))
+                seal=self._snapshot.nbytes >= SEAL_FROM_BYTES)
             stream.settimeout(CONNECT_TIMEOUT_S)
-            snapshot = self._snapshots.get()
-            if snapshot is None:
-                abandoned = True
-                raise TransferError(self.failed)
-            manifest = snapshot.manifest()
+            manifest = self._snapshot.manifest()
             manifest.step = self._next
             # The layout first: the joiner prepares memory for it, then reads the bytes.
             stream.send(FrameKind.PREVIEW, manifest)
-            stream.send(FrameKind.SNAPSHOT, manifest, snapshot.tensors)
-            del snapshot  # the copy is sent: free it
+            stream.send(FrameKind.SNAPSHOT, manifest, self._snapshot.tensors)
+            self._snapshot = EncodedState(pb.StateNode())  # the copy is sent: free it
             log.info("sent replica %d a snapshot of step %d: %.1f MB in %.2fs", self.joiner,
                      manifest.step, stream.sent_bytes / 1e6, time.monotonic() - started)
             if self._after_snapshot is not None:
@@ -149,11 +131,6 @@ class Donation:
             stream.send(FrameKind.END, pb.TransferEnd(reason=self.failed))
         except TransferError as exc:
             self.failed = self.failed or str(exc)
-            if stream is not None and abandoned:
-                try:  # no snapshot after all: the joiner hears why, between two frames
-                    stream.send(FrameKind.END, pb.TransferEnd(reason=self.failed))
-                except TransferError:
-                    pass
         finally:
             if stream is not None:
                 stream.close()
@@ -185,8 +162,6 @@ class Catchup:
                     raise TransferError(f"the donor's preview is impossible: {exc}") from None
                 self.destinations = destinations
                 kind, manifest, tensors = self._stream.receive(into=destinations.for_snapshot)
-            if kind is FrameKind.END and isinstance(manifest, pb.TransferEnd):
-                raise TransferError(f"the donor gave up: {manifest.reason or 'no reason'}")
             if kind is not FrameKind.SNAPSHOT or not isinstance(manifest, pb.StateManifest):
                 raise TransferError(f"expected a snapshot, got a {kind.name} frame")
             self.state: Any = decode(manifest.root, tensors)

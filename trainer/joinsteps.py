@@ -31,20 +31,13 @@ class JoinSteps(ExecutorBase):
         and stream it, then every step committed from now on, to the joiner."""
         if self.lockstep is not None:  # rank k of the donor streams to rank k of the joiner
             command = self._my_part(command)
+        self.settle_digests()  # the snapshot's ledger holds every applied step's digest
+        snapshot = encode(self.training_state())
         self.donations = [d for d in self.donations if not d.done.is_set()]
         step = self.state.step
-        # Made first: its thread connects to the joiner while this one takes the snapshot.
-        donation = Donation(command, self.replica, step,
-                            functools.partial(self.hooks.after_snapshot_sent, step))
-        self.donations.append(donation)
-        try:
-            self.settle_digests()  # the snapshot's ledger holds every applied step's digest
-            snapshot = encode(self.training_state())
-        except BaseException as exc:
-            donation.abandon(f"the donor could not take its snapshot: {exc}")
-            raise
-        donation.send_snapshot(snapshot)
-        log.info("donating state of step %d to replica %d (%.1f MB)", step,
+        self.donations.append(Donation(command, self.replica, snapshot, step,
+                                       functools.partial(self.hooks.after_snapshot_sent, step)))
+        log.info("donating state of step %d to replica %d (%.1f MB)", self.state.step,
                  command.joiner, snapshot.nbytes / 1e6, extra=self._ctx())
 
     def _my_part(self, command: pb.Donate) -> pb.Donate:
@@ -95,8 +88,11 @@ class JoinSteps(ExecutorBase):
             self.load_training_state(catchup.state, catchup.step)
             self.built_tensors = None  # loaded: nothing of the state as built is needed now
             self.hooks.after_snapshot_loaded(catchup.step)
-            # The controller checks what was loaded against the committed digest.
-            self._report_join(command, catchup, self.workload.digest())
+            # The controller checks what was loaded against the committed digest. On the
+            # step digests' threads: a large model's hash is on the join's critical path.
+            pipeline = self._digest_pipeline()
+            self._report_join(command, catchup, self.workload.digest(
+                pool=pipeline.chunk_pool if pipeline is not None else None))
             while (committed := catchup.next()) is not None:
                 self._apply(committed.grads, committed.step, None)
                 self._report_join(command, catchup)

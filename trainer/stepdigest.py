@@ -38,7 +38,7 @@ import logging
 import os
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -185,6 +185,12 @@ class BackgroundDigests:
                                                          param_sha256=digest))
         self._send(pb.WorkerReport(applied=pb.Applied(
             step=done.step, param_sha256=digest, commit_wait_s=done.commit_wait_s)))
+
+    @property
+    def chunk_pool(self) -> Executor:
+        """The threads chunks are hashed on (HASH_THREADS), for a digest outside a step: a
+        joiner's of the state it loaded."""
+        return self._chunks
 
     def settle(self) -> None:
         """Every digest submitted is in its record and reported."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -299,10 +300,12 @@ class Workload:
         return (list(self.model.named_parameters()),
                 list(self.model_buffers.named()) if self.model_buffers else [])
 
-    def digest(self, legacy: bool = False) -> str:
+    def digest(self, legacy: bool = False, pool: Executor | None = None) -> str:
         """The step digest: parameters, and the buffers in the guarantee (digest.step_digest;
-        `legacy`: as builds before digest.DIGEST_SCHEME made it)."""
-        digest = (legacy_step_digest if legacy else step_digest)(*self.digest_tensors())
+        `legacy`: as builds before digest.DIGEST_SCHEME made it; `pool`: threads to hash
+        the chunks on, the same digest)."""
+        digest = (step_digest(*self.digest_tensors(), pool=pool) if not legacy
+                  else legacy_step_digest(*self.digest_tensors()))
         return self.combine_digest(digest) if self.combine_digest is not None else digest
 
     # ------------------------------------------------------------ state for joins and restores

@@ -11,14 +11,12 @@ Variants, alternating, `--reps` each, a fresh receiver process (imports done
 before the clock starts) serving each:
 
 - `stream`: the product. The donor copies its snapshot (encode, as a donor
-  does between two steps) while its `Donation`'s thread connects; it sends the layout (a PREVIEW frame),
+  does between two steps); its `Donation` connects and sends the layout (a PREVIEW frame),
   then the bytes; the joiner's `Catchup` prepares a destination for every
   tensor from the preview (its built model's weights in place, new memory
   touched once for the moments), then receives.
 - `stream-tls`: `stream` over TLS 1.3, as when the control plane runs TLS: the joiner's
   listener presents a certificate made for it, the donor pins its digest (issue 22).
-- `stream-serial`, `stream-tls-serial`: the same, the donor connecting only after its
-  copy (the order before 2026-11-28): what connecting during the copy saves.
 - `stream-fresh`: the design before (copy, connect, one SNAPSHOT frame received
   into tensors allocated as it arrives).
 - `raw`: the same number of bytes through a plain socket into a buffer touched
@@ -48,7 +46,6 @@ link of that speed, each side on its own core (needs root and iproute2).
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import socket
@@ -77,9 +74,8 @@ from recover.trainer.statewire import as_bytes, encode
 from recover.trainer.transfer import FrameKind, Listener, connect
 
 TOKEN = "bench-token"
-VARIANTS = ("stream", "stream-tls", "stream-serial", "stream-tls-serial", "stream-fresh", "raw",
-            "raw-fresh")
-JOINS = ("stream", "stream-tls", "stream-serial", "stream-tls-serial")
+VARIANTS = ("stream", "stream-tls", "stream-fresh", "raw", "raw-fresh")
+JOINS = ("stream", "stream-tls")
 """The variants that run the product's Donation and Catchup."""
 SIZE = struct.Struct("<Q")
 SUBNET = "10.213.48"
@@ -186,22 +182,6 @@ def busy(seconds: float) -> None:
         x @ x
 
 
-OLD_DONATION = "snapshot" in inspect.signature(Donation).parameters
-"""A build whose donor connects after its copy: `stream` there is `stream-serial`."""
-
-
-def donation(donate: pb.Donate, snapshot: Any | None) -> Donation:
-    """A Donation of this build: made before its snapshot (and handed it when given), or,
-    in builds before 2026-11-28, made with it."""
-    if OLD_DONATION:
-        assert snapshot is not None
-        return Donation(donate, 0, snapshot, 0)  # type: ignore[call-arg, arg-type]
-    made = Donation(donate, 0, 0)
-    if snapshot is not None:
-        made.send_snapshot(snapshot)
-    return made
-
-
 def send_once(variant: str, state: dict[str, Any], flat: torch.Tensor, mb: int,
               layers: int, joiner_netns: str = "", check_digest: bool = False,
               ) -> tuple[dict[str, float], bool]:
@@ -221,18 +201,12 @@ def send_once(variant: str, state: dict[str, Any], flat: torch.Tensor, mb: int,
     started = time.monotonic()
     cpu_before = time.process_time()
     if variant in JOINS:
-        serial = variant.endswith("-serial")
         donate = pb.Donate(donor=0, joiner=1, address=address, token=TOKEN)
         if pin:  # builds before issue 22 have no TLS (nor the field)
             donate.tls_sha256 = pin
-        # As a donor does: its thread connects while the training thread copies.
-        donor = None if serial or OLD_DONATION else donation(donate, None)
         snapshot = encode(state)  # the donor's copy
         copied = time.monotonic()
-        if donor is None:
-            donor = donation(donate, snapshot)
-        else:
-            donor.send_snapshot(snapshot)
+        donor = Donation(donate, 0, snapshot, 0)
         del snapshot
         donor.finish_before(0)  # no steps to catch up: END follows the snapshot
         donor.done.wait(120)
@@ -344,7 +318,6 @@ def main() -> int:
                    if {"stream", "stream-tls"} <= set(variants) else None)
     stream_vs_raw = ratio("stream", "raw", med)
     tls_join = ratio("stream-tls", "stream", join_s)
-    tls_join_serial = ratio("stream-tls-serial", "stream-serial", join_s)
     result = {
         "benchmark": "transfer_throughput", "bytes": nbytes, "tensors": len(layout.tensors),
         "reps": args.reps, "variants": list(variants),
@@ -365,9 +338,6 @@ def main() -> int:
         "ratio_per_rep": per_rep,
         "join_ratio_stream_vs_stream_fresh": ratio("stream", "stream-fresh", join_s),
         "join_ratio_tls_vs_stream": tls_join, "join_ratio_tls_per_rep": tls_per_rep,
-        "join_ratio_tls_vs_stream_serial": tls_join_serial,
-        "join_ratio_stream_vs_serial": ratio("stream", "stream-serial", join_s),
-        "join_ratio_tls_vs_tls_serial": ratio("stream-tls", "stream-tls-serial", join_s),
         "target_ratio": 0.8,
         "target_met": None if stream_vs_raw is None else stream_vs_raw >= 0.8,
         "tls_target_ratio": 1.2, "tls_target_met": None if tls_join is None else tls_join <= 1.2,
@@ -380,7 +350,7 @@ def main() -> int:
               f"{join_s[v] * 1000:.0f} ms |")
     print(f"stream / raw = {stream_vs_raw} (per rep {per_rep}); whole join stream / "
           f"stream-fresh = {result['join_ratio_stream_vs_stream_fresh']}; tls / stream join = "
-          f"{tls_join} (per rep {tls_per_rep}), connecting after the copy {tls_join_serial}; "
+          f"{tls_join} (per rep {tls_per_rep}); "
           f"the joiner's preparation {prepare_s} s, CPU of both ends {cpu_s} s (medians)")
     return 0
 

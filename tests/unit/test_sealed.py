@@ -151,24 +151,24 @@ def test_the_peer_closing_between_records_reads_as_the_end() -> None:
     assert joiner.recv_into(bytearray(10)) == 0
 
 
-@pytest.mark.parametrize("kilobytes", [64, 2048])
-def test_a_donor_connects_and_seals_before_its_snapshot_is_taken(kilobytes: int) -> None:
-    """Donation's thread connects, shakes hands and sends its hello (with the key of the
-    sealed records that follow, for any size) before the training loop hands it the
-    snapshot: the joiner accepts it first, then gets the state."""
+@pytest.mark.parametrize("kilobytes,sealed", [(512, False), (2048, True)])
+def test_a_donor_seals_a_large_state_and_keeps_tls_records_for_a_small_one(
+        kilobytes: int, sealed: bool) -> None:
+    """Donation decides by the snapshot's size (joining.SEAL_FROM_BYTES = 1 MiB): the
+    joiner sees the key in the hello only for the large one, and gets the state either way."""
     from recover.proto import pb
-    from recover.trainer.joining import Donation
+    from recover.trainer.joining import SEAL_FROM_BYTES, Donation
     from recover.trainer.statewire import encode
     from recover.trainer.transfer import FrameKind, Listener
 
+    assert (kilobytes << 10 >= SEAL_FROM_BYTES) is sealed
     state = {"w": torch.arange(kilobytes << 8, dtype=torch.float32)}  # 4 bytes each
     listener = Listener("127.0.0.1", tls=True)
     donation = Donation(pb.Donate(donor=0, joiner=1, address=listener.address, token="t",
-                                  tls_sha256=listener.tls_sha256), 0, 0)
-    stream, hello = listener.accept("t", 30.0)  # no snapshot yet
-    assert len(hello.stream_key) == 16
-    donation.send_snapshot(encode(state))
+                                  tls_sha256=listener.tls_sha256), 0, encode(state), 0)
     donation.finish_before(0)  # no step to catch up: the snapshot, then the end
+    stream, hello = listener.accept("t", 30.0)
+    assert len(hello.stream_key) == (16 if sealed else 0)
     kinds, received = [], None
     while not kinds or kinds[-1] is not FrameKind.END:
         kind, _, tensors = stream.receive()
@@ -178,22 +178,4 @@ def test_a_donor_connects_and_seals_before_its_snapshot_is_taken(kilobytes: int)
     assert received is not None and torch.equal(received[0], state["w"])
     assert donation.done.wait(30) and not donation.failed
     stream.close()
-    listener.close()
-
-
-@pytest.mark.parametrize("tls", [False, True])
-def test_a_donation_abandoned_before_its_snapshot_tells_the_joiner_why(tls: bool) -> None:
-    """Taking the snapshot failed after the thread connected: the joiner's catch-up ends
-    with the donor's reason (the controller then tries another join), not a timeout."""
-    from recover.proto import pb
-    from recover.trainer.joining import Catchup, Donation
-    from recover.trainer.transfer import Listener, TransferError
-
-    listener = Listener("127.0.0.1", tls=tls)
-    donation = Donation(pb.Donate(donor=0, joiner=1, address=listener.address, token="t",
-                                  tls_sha256=listener.tls_sha256), 0, 0)
-    donation.abandon("the donor could not take its snapshot: disk on fire")
-    with pytest.raises(TransferError, match="the donor gave up: .*disk on fire"):
-        Catchup(listener, pb.Join(joiner=1, donor=0, token="t", attempt=1))
-    assert donation.done.wait(30) and "disk on fire" in donation.failed
     listener.close()
