@@ -24,6 +24,8 @@ measure its page faults, not its transfer).
     git archive 510eafb --prefix=recover/ | tar -x -C /tmp/before
     python bench/scripts/join_before_after.py --before /tmp/before --mb 2 --layers 4 \
         --rounds 10 --reps 3 --out bench/results/join-before-after-demo
+    python bench/scripts/join_before_after.py --before /tmp/before --rounds 6 --reps 3 \
+        [--link-gbit 10] --out bench/results/join-before-after-268mb
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ def run_side(side: str, pythonpath: str, args: argparse.Namespace, folder: Path)
                MALLOC_TRIM_THRESHOLD_=str(1 << 30))
     command = [sys.executable, str(HERE.parent / "transfer_throughput.py"), "--variants", variant,
                "--reps", str(args.reps), "--mb", str(args.mb), "--layers", str(args.layers),
-               "--out", str(out), *(["--check-digest"] if check else [])]
+               "--out", str(out), *(["--check-digest"] if check else []),
+               *(["--link-gbit", str(args.link_gbit)] if args.link_gbit else [])]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise SystemExit(f"{side}: {' '.join(command)} failed:\n{done.stderr[-3000:]}")
@@ -71,6 +74,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--reps", type=int, default=3, help="joins per side and round")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--link-gbit", type=float,
+                        help="donor and joiner in two network namespaces over a veth shaped to "
+                             "this rate (transfer_throughput.py --link-gbit; root, iproute2)")
     args = parser.parse_args()
     if not (Path(args.before) / "recover" / "trainer" / "joining.py").exists():
         parser.error(f"--before {args.before}: no recover/trainer/joining.py there")
@@ -98,6 +104,7 @@ def main() -> int:
     result = {
         "benchmark": "join_before_after", "mb": args.mb, "layers": args.layers,
         "rounds": args.rounds, "reps": args.reps, "before": args.before,
+        "link_gbit": args.link_gbit,
         "join_s": {side: [round(t, 5) for t in v] for side, v in joins.items()},
         "join_s_median": {side: round(m, 5) for side, m in median.items()},
         "ratio_after_vs_before": round(median["after"] / median["before"], 3),
