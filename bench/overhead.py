@@ -75,7 +75,9 @@ def paired(runs: list[dict[str, Any]], mode: str) -> list[float]:
             if (mode, k) in by and ("ddp", k) in by]
 
 
-def _one(mode: str, job: pb.JobConfig, folder: Path, config: OverheadConfig) -> dict[str, Any]:
+def run_one(mode: str, job: pb.JobConfig, folder: Path, config: OverheadConfig) -> dict[str, Any]:
+    """One run of `mode` (ddp, fast, exact): its per-step end times, losses, and ReCoVer's
+    step split (None for DDP)."""
     if mode == "ddp":
         result = run_ddp(job, folder, config.timeout_s)
         ends = result["ended_at"]
@@ -104,7 +106,7 @@ def run(config: OverheadConfig, progress: Callable[[str], None]) -> dict[str, An
     for rep in range(config.reps):
         for mode in order(rep):
             folder = config.out / f"{mode}-{rep}"
-            result = _one(mode, job, folder, config)
+            result = run_one(mode, job, folder, config)
             intervals = steady_intervals(result["ends"], config.warmup)
             median = statistics.median(intervals)
             losses.setdefault(mode, result["loss_per_step"])

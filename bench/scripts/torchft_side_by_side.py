@@ -118,7 +118,7 @@ def main() -> int:
             if mode == "torchft":
                 result = run_torchft(job, folder, args.torchft, args.run_timeout)
             else:
-                result = overhead._one(mode, job, folder, config)
+                result = overhead.run_one(mode, job, folder, config)
             median = statistics.median(overhead.steady_intervals(result["ends"], args.warmup))
             losses.setdefault(mode, result["loss_per_step"])
             runs.append({"mode": mode, "rep": rep, "median_step_s": round(median, 5),
