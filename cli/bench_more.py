@@ -1,7 +1,7 @@
 """`recover bench recovery | overhead | controller`: flags, validation, tables.
 
     recover bench recovery --out DIR [--runs N] [--replicas R] [--microbatches M]
-    recover bench overhead --out DIR [--replicas R] [-M M] [--steps T] [--reps K]
+    recover bench overhead --out DIR [--replicas R] [-M M] [--steps T] [--reps K] [--torchft DIR]
     recover bench controller --out DIR [--agents N1,N2,...] [--duration S] [--relays K]
 
 The work lives in recover.bench; bad input is a UsageError (one line, exit 2).
@@ -79,6 +79,10 @@ def add_parsers(kinds: Any) -> None:
     ovh.add_argument("--warmup", type=int, default=5, help="steps skipped per run (default 5)")
     ovh.add_argument("--run-timeout", type=float, default=300.0,
                      help="seconds per run (default 300)")
+    ovh.add_argument("--torchft", default="", metavar="DIR",
+                     help="also train the job with torchft 0.2, installed apart in DIR (pip "
+                          "install --no-deps --target DIR torchft==0.2.0, and its "
+                          "opentelemetry requirements): its failure-free step as a fourth mode")
     ctl = kinds.add_parser("controller", help="one controller under N simulated agents")
     ctl.add_argument("--out", required=True, metavar="DIR")
     ctl.add_argument("--agents", type=_agent_counts, default=[10, 100, 500, 1000],
@@ -96,6 +100,7 @@ def _write(out: Path, results: dict[str, Any]) -> None:
 
 def _overhead(args: argparse.Namespace) -> int:
     from recover.bench import overhead
+    from recover.bench.torchft_job import torchft_missing
 
     if args.kill:
         raise UsageError("recover bench overhead: failure-free only, no --kill")
@@ -106,9 +111,12 @@ def _overhead(args: argparse.Namespace) -> int:
     if args.steps < args.warmup + 3:
         raise UsageError(f"--steps ({args.steps}) must be at least --warmup + 3 "
                          f"({args.warmup + 3})")
+    if args.torchft and (why := torchft_missing(args.torchft)):
+        raise UsageError(why)
     job = reference_job(args, "recover bench overhead")
     config = overhead.OverheadConfig(job=job, out=out_dir(args.out), reps=args.reps,
-                                     warmup=args.warmup, timeout_s=args.run_timeout)
+                                     warmup=args.warmup, timeout_s=args.run_timeout,
+                                     torchft=args.torchft)
     try:
         results = overhead.run(config, say)
     except overhead.JobFailed as exc:

@@ -46,3 +46,38 @@ def test_steady_intervals_skip_warmup_and_order_rotates():
     assert steady_intervals([0.0, 1.0], 2) == []
     assert [order(r)[0] for r in range(3)] == list(MODES)
     assert all(sorted(order(r)) == sorted(MODES) for r in range(4))
+
+
+def test_torchft_is_a_fourth_mode_only_when_named_and_rotates_with_the_others(tmp_path):
+    from recover.bench.overhead import OverheadConfig
+    from recover.proto import pb
+
+    plain = OverheadConfig(job=pb.JobConfig(), out=tmp_path)
+    assert plain.modes == MODES
+    with_torchft = OverheadConfig(job=pb.JobConfig(), out=tmp_path, torchft="/somewhere")
+    assert with_torchft.modes == (*MODES, "torchft")
+    assert [order(r, with_torchft.modes)[0] for r in range(4)] == list(with_torchft.modes)
+
+
+def test_speed_against_torchft_is_torchfts_step_over_recovers():
+    from recover.bench.overhead import vs_torchft
+
+    runs = [{"mode": m, "rep": k, "median_step_s": s, "all_committed": True}
+            for k, steps in enumerate(({"fast": 0.05, "exact": 0.06, "torchft": 0.055},
+                                       {"fast": 0.06, "exact": 0.06, "torchft": 0.054}))
+            for m, s in steps.items()]
+    losses = {"fast": [2.0, 1.5], "exact": [2.0, 1.5], "torchft": [2.0, 1.5 + 1e-7]}
+    got = vs_torchft(runs, {"fast": 0.055, "exact": 0.06, "torchft": 0.0545}, losses)
+    assert got["speed_vs_torchft"] == {"fast": round(0.0545 / 0.055, 4),
+                                       "exact": round(0.0545 / 0.06, 4)}
+    assert got["speed_vs_torchft_per_rep"]["fast"] == [1.1, 0.9]  # faster, then slower
+    assert got["max_loss_diff_vs_torchft"]["fast"] == pytest.approx(1e-7)
+    assert got["torchft_every_step_committed"]
+
+
+def test_a_folder_without_torchft_is_one_line_before_anything_runs(tmp_path, capsys):
+    code = main(["bench", "overhead", "--out", str(tmp_path / "o"), "--torchft",
+                 str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and "no torchft there" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()

@@ -1,5 +1,6 @@
-"""One replica group of the torchft baseline: `python torchft_worker.py CONFIG_JSON RANK
-LIGHTHOUSE STORE_PORT` (run by torchft_side_by_side.py, torchft on PYTHONPATH).
+"""One replica group of the torchft baseline: `python -m recover.bench.torchft_worker
+CONFIG_JSON RANK LIGHTHOUSE STORE_PORT` (run by `recover.bench.torchft_job` with torchft on
+PYTHONPATH; torchft is not a dependency of this project, so nothing else imports this).
 
 The job of `recover.bench.ddp_worker` (the same TinyGPT, microbatches, AdamW and split of M
 over the replicas, computed with `Workload.compute`, the code ReCoVer's workers run), with
