@@ -10,20 +10,16 @@ of each step.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from recover.bench.ddp_job import ddp_config
+from recover.bench.ddp_job import ddp_config, run_ranks
 from recover.bench.ddp_worker import to_json
-from recover.bench.recover_job import JobFailed
 from recover.proto import pb
 
 
@@ -52,36 +48,13 @@ def run_torchft(job: pb.JobConfig, out: Path, folder: str,
     config_path.write_text(to_json(ddp_config(job, 0, out)) + "\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (os.environ.get("PYTHONPATH", ""), folder) if p))
-    procs: list[subprocess.Popen[bytes]] = []
-    logs = []
     try:
-        for rank in range(job.replicas):
-            log = open(out / f"rank-{rank}.log", "wb")  # noqa: SIM115 (closed below)
-            logs.append(log)
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "recover.bench.torchft_worker", str(config_path),
-                 str(rank), lighthouse.address(), str(stores[rank].port)],
-                env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
-        deadline = time.monotonic() + timeout_s
-        for proc in procs:
-            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-    except subprocess.TimeoutExpired:
-        raise JobFailed(f"torchft: no result within {timeout_s:.0f}s") from None
+        ranks = run_ranks([[sys.executable, "-m", "recover.bench.torchft_worker", str(config_path),
+                            str(rank), lighthouse.address(), str(stores[rank].port)]
+                           for rank in range(job.replicas)], out, timeout_s, "torchft", env)
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        for log in logs:
-            log.close()
         lighthouse.shutdown()
         del stores
-    bad = [(rank, p.returncode) for rank, p in enumerate(procs) if p.returncode != 0]
-    if bad:
-        rank, code = bad[0]
-        tail = (out / f"rank-{rank}.log").read_text(errors="replace").strip().splitlines()[-1:]
-        raise JobFailed(f"torchft: replica {rank} exited with {code}: {' '.join(tail)}")
-    ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(job.replicas)]
     losses = [sum(column) / job.global_microbatches
               for column in zip(*(r["loss_sums"] for r in ranks), strict=True)]
     return {"mode": "torchft", "ended_at": ranks[0]["ended_at"], "loss_per_step": losses,
