@@ -34,6 +34,7 @@ import socket
 import ssl
 import struct
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from enum import IntEnum
@@ -219,6 +220,35 @@ def _transfer_certificate() -> tuple[ssl.SSLContext, str]:
     return context, hashlib.sha256(cert.public_bytes(serialization.Encoding.DER)).hexdigest()
 
 
+def _warm(server: ssl.SSLContext, done: threading.Event) -> None:
+    """One TLS handshake with itself over a socket pair, off any join's path: a process's
+    first handshake costs 3.1-3.5 ms on the client side against 0.9 ms for later ones
+    (OpenSSL's first use; measured in BENCHMARKS.md section 8), and a worker's first join is
+    most often its only one. A failure here changes nothing but that first join's speed."""
+    ours, theirs = socket.socketpair()
+    gloo.exclude_sockets([ours, theirs])  # never a generation group's to sweep
+    try:
+        ours.settimeout(HELLO_TIMEOUT_S)
+        theirs.settimeout(HELLO_TIMEOUT_S)
+        accepting = threading.Thread(target=_quietly, args=(server.wrap_socket, theirs, True),
+                                     daemon=True)
+        accepting.start()
+        _quietly(_client_context().wrap_socket, ours, False)
+        accepting.join(HELLO_TIMEOUT_S)
+    finally:
+        gloo.include_sockets([ours, theirs])
+        ours.close()
+        theirs.close()
+        done.set()
+
+
+def _quietly(wrap: Callable[..., ssl.SSLSocket], sock: socket.socket, server_side: bool) -> None:
+    try:
+        wrap(sock, server_side=server_side).unwrap()
+    except (ssl.SSLError, OSError):
+        pass
+
+
 class Listener:
     """The joiner's listening socket, open for its whole life (joins can be retried)."""
 
@@ -228,8 +258,12 @@ class Listener:
         self._tls: ssl.SSLContext | None = None
         self.tls_sha256 = ""
         """The certificate a donor must see (empty: plain TCP)."""
+        self.warmed = threading.Event()
+        """Set once `_warm` ran (TLS only): both sides of a handshake done once in this process."""
         if tls:
             self._tls, self.tls_sha256 = _transfer_certificate()
+            threading.Thread(target=_warm, args=(self._tls, self.warmed), daemon=True,
+                             name="transfer-tls-warm").start()
 
     def accept(self, token: str, timeout_s: float,
                stop: Callable[[], bool] | None = None) -> tuple[Stream, pb.TransferHello]:

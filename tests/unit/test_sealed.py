@@ -179,3 +179,37 @@ def test_a_donor_seals_a_large_state_and_keeps_tls_records_for_a_small_one(
     assert donation.done.wait(30) and not donation.failed
     stream.close()
     listener.close()
+
+
+def test_a_tls_listener_warms_both_sides_of_a_handshake_once_and_still_serves_a_donor() -> None:
+    """`Listener(tls=True)` shakes hands with itself over a socket pair on a thread (OpenSSL's
+    first use, off the first join's path); the warming ends by itself, leaves no thread, and
+    the pinned connection of a real donor works as before."""
+    import threading
+
+    from recover.proto import pb
+    from recover.trainer.transfer import FrameKind, Listener, connect
+
+    listener = Listener("127.0.0.1", tls=True)
+    assert listener.warmed.wait(30)
+    for thread in threading.enumerate():
+        if thread.name == "transfer-tls-warm":
+            thread.join(30)
+            assert not thread.is_alive()
+
+    def donate() -> None:
+        donor = connect(listener.address, pb.TransferHello(token="t", donor=0, joiner=1), 30,
+                        tls_sha256=listener.tls_sha256, seal=True)
+        donor.send(FrameKind.END, pb.TransferEnd(reason="done"))
+        donor.close()
+
+    donating = threading.Thread(target=donate, daemon=True)
+    donating.start()
+    stream, hello = listener.accept("t", 30.0)
+    assert hello.donor == 0 and len(hello.stream_key) == 16
+    kind, message, _ = stream.receive()
+    assert kind is FrameKind.END and message.reason == "done"
+    donating.join(30)
+    stream.close()
+    listener.close()
+    assert not Listener("127.0.0.1").warmed.is_set()  # plain TCP: nothing to warm
