@@ -161,9 +161,12 @@ def vs_torchft(runs: list[dict[str, Any]], step: dict[str, float],
                losses: dict[str, list[float]]) -> dict[str, Any]:
     """ReCoVer against torchft: the speed ratio (torchft's step / ReCoVer's: >= 1 is as
     fast or faster), by repetition too, and the largest per-step loss difference."""
+    by = {(r["mode"], r["rep"]): r["median_step_s"] for r in runs}
+    reps = sorted({r["rep"] for r in runs})
     return {
         "speed_vs_torchft": {m: round(step["torchft"] / step[m], 4) for m in ("fast", "exact")},
-        "speed_vs_torchft_per_rep": {m: [round(1 / (1 + x), 4) for x in paired(runs, m, "torchft")]
+        "speed_vs_torchft_per_rep": {m: [round(by[("torchft", k)] / by[(m, k)], 4)
+                                         for k in reps if (m, k) in by and ("torchft", k) in by]
                                      for m in ("fast", "exact")},
         "max_loss_diff_vs_torchft": {m: max(abs(a - b) for a, b in zip(
             losses[m], losses["torchft"], strict=True)) for m in ("fast", "exact")},

@@ -1,6 +1,7 @@
 """One replica group of the torchft baseline: `python -m recover.bench.torchft_worker
-CONFIG_JSON RANK LIGHTHOUSE STORE_PORT` (run by `recover.bench.torchft_job` with torchft on
-PYTHONPATH; torchft is not a dependency of this project, so nothing else imports this).
+CONFIG_JSON RANK LIGHTHOUSE STORE_PORT TORCHFT_DIR` (run by `recover.bench.torchft_job`;
+torchft is not a dependency of this project and is imported from TORCHFT_DIR, after this
+environment's packages, so that torch is this environment's; nothing else imports this).
 
 The job of `recover.bench.ddp_worker` (the same TinyGPT, microbatches, AdamW and split of M
 over the replicas, computed with `Workload.compute`, the code ReCoVer's workers run), with
@@ -28,7 +29,6 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-from torchft import Manager, ProcessGroupGloo
 
 from recover.bench.ddp_worker import DDPConfig, my_microbatches
 from recover.bench.reference_model import ReferenceGPT
@@ -36,6 +36,8 @@ from recover.workloads.tinygpt import config as tinygpt
 
 
 def train(config: DDPConfig, rank: int, lighthouse: str, store_port: int) -> dict[str, list]:
+    from torchft import Manager, ProcessGroupGloo  # from the folder main() appended
+
     torch.set_num_threads(1)  # as ReCoVer's workers and the DDP baseline
     gpt = ReferenceGPT.build(tinygpt.from_command(config.command), config.seed,
                              config.global_microbatches)
@@ -91,6 +93,7 @@ def train(config: DDPConfig, rank: int, lighthouse: str, store_port: int) -> dic
 def main() -> int:
     config = DDPConfig(**json.loads(Path(sys.argv[1]).read_text()))
     rank, lighthouse, store_port = int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+    sys.path.append(sys.argv[5])
     result = train(config, rank, lighthouse, store_port)
     (Path(config.out_dir) / f"rank-{rank}.json").write_text(json.dumps(result) + "\n")
     sys.stdout.flush()

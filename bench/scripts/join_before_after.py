@@ -52,8 +52,8 @@ SIDES = {
 def run_side(side: str, pythonpath: str, args: argparse.Namespace, folder: Path) -> list[float]:
     variant, check = SIDES[side]
     out = folder / f"{side}-{time.monotonic_ns()}"
-    env = dict(os.environ, PYTHONPATH=pythonpath, MALLOC_MMAP_MAX_="0",
-               MALLOC_TRIM_THRESHOLD_=str(1 << 30))
+    env = dict(os.environ, PYTHONPATH=pythonpath or os.environ.get("PYTHONPATH", ""),
+               MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_=str(1 << 30))
     command = [sys.executable, str(HERE.parent / "transfer_throughput.py"), "--variants", variant,
                "--reps", str(args.reps), "--mb", str(args.mb), "--layers", str(args.layers),
                "--out", str(out), *(["--check-digest"] if check else []),
@@ -62,6 +62,10 @@ def run_side(side: str, pythonpath: str, args: argparse.Namespace, folder: Path)
     if done.returncode != 0:
         raise SystemExit(f"{side}: {' '.join(command)} failed:\n{done.stderr[-3000:]}")
     result = json.loads((out / "results.json").read_text())
+    ran = Path(result["joining_module"]).resolve()
+    old = Path(args.before).resolve()
+    if (side == "before") != ran.is_relative_to(old):
+        raise SystemExit(f"{side}: ran {ran}, not the build meant ({old} for `before` only)")
     return [t["join_checked"] for t in result["seconds"][variant]]
 
 
@@ -82,7 +86,10 @@ def main() -> int:
         parser.error(f"--before {args.before}: no recover/trainer/joining.py there")
     import recover  # this checkout, as the benchmarks run it (bench/README.md)
 
-    this_build = str(Path(list(recover.__path__)[0]).parent)  # the folder holding it as `recover`
+    # The folder holding this checkout as `recover` when run that way (bench/README.md);
+    # under an editable install none is needed (""), the environment finds it.
+    first = Path(list(recover.__path__)[0])
+    this_build = str(first.parent) if first.is_dir() else ""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"before": args.before, "after": this_build, "plain": this_build}

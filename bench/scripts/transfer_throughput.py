@@ -110,7 +110,9 @@ def receive(variant: str, nbytes: int, mb: int, layers: int, host: str,
             check_digest: bool = False) -> None:
     """Receiver process: announce an address on stdout, take one transfer, print when its last
     byte landed and a crc of its edges. `check_digest`: then hash the weights received, as a
-    joiner does for the controller to check them against the committed digest."""
+    joiner does for the controller to check them against the committed digest (on one thread
+    here; a joiner hashes on HASH_THREADS, which is 1 on 2 cores and up to 4 on larger hosts,
+    so there this overstates the check)."""
     prepared = prepare_s = checked = 0.0
     if check_digest:  # imported as a worker has it, before any join
         from recover.trainer.digest import step_digest
@@ -336,6 +338,9 @@ def main() -> int:
         "join_checked_s_median": {v: round(statistics.median(t["join_checked"] for t in timings[v]), 4)
                                   for v in variants},
         "check_digest": args.check_digest,
+        # Which build ran: join_before_after.py checks it (with an editable install, a module
+        # missing from an old build is taken from the installed one).
+        "joining_module": sys.modules[Donation.__module__].__file__,
         "donor_copy_s_median": {v: round(copy_s[v], 4) for v in copy_s},
         "joiner_prepare_s_median": {v: round(prepare_s[v], 4) for v in prepare_s},
         "donor_plus_joiner_cpu_s_median": {v: round(cpu_s[v], 4) for v in cpu_s},

@@ -468,7 +468,6 @@ def test_the_time_between_steps_is_reported_as_each_replica_s_lead(baseline: Run
         assert all(leads[(step, r)] > 0 for r in range(1, REPLICAS))
 
 
-
 def test_a_new_generation_before_the_first_microbatch_leaves_no_lead(baseline: Run) -> None:
     # Replica 0's callback after step 1's commit returns only once the generation that drops
     # replica 2 (killed in step 2's forward) waits in its channel: that wait is the failure's,
