@@ -2,9 +2,8 @@
 
 torchft 0.2 is not a dependency of this project: it is installed apart, in a folder named by
 the caller, which this process and the workers put after this environment's packages (only
-what the environment lacks, torchft and its opentelemetry, is taken from it).
-This process hosts torchft's lighthouse (on loopback) and one TCPStore per replica group
-(its Manager's),
+what the environment lacks, torchft and its opentelemetry, is taken from it). This process
+hosts torchft's lighthouse (on loopback) and one TCPStore per replica group (its Manager's),
 spawns one `recover.bench.torchft_worker` per replica, waits, and merges what the replicas
 wrote: the per-step end times (replica 0's clock) and the mean loss over all M microbatches
 of each step.
