@@ -5,8 +5,8 @@ environment's packages, so that torch is this environment's; nothing else import
 
 The job of `recover.bench.ddp_worker` (the same TinyGPT, microbatches, AdamW and split of M
 over the replicas, computed with `Workload.compute`, the code ReCoVer's workers run), with
-the gradient synchronised the way torchft's own examples do it: a `torchft.Manager` per
-replica group (one process here, as ReCoVer's replica) joined through the lighthouse, over
+the gradient synchronised through torchft: a `torchft.Manager` per replica group (one
+process here, as ReCoVer's replica) joined through the lighthouse, over
 `torchft.ProcessGroupGloo`: each step starts the manager's quorum, accumulates the
 replica's microbatches locally, allreduces the gradient once (one flat buffer, averaged
 over the participants by `Manager.allreduce`), and steps when the manager says the step may
