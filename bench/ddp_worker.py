@@ -23,6 +23,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from recover.bench.reference_model import ReferenceGPT
+from recover.trainer.workload import Workload
 from recover.workloads.tinygpt import config as tinygpt
 
 
@@ -65,6 +67,20 @@ def my_microbatches(rank: int, replicas: int, global_microbatches: int) -> list[
     return list(range(start, start + base + (1 if rank < extra else 0)))
 
 
+def compute_share(workload: Workload, step: int, microbatches: list[int], compute_ms: float,
+                  before: Callable[[bool], None] = lambda last: None) -> float:
+    """A replica's microbatches of `step`, each with ReCoVer's microbatch code and then the
+    job's emulated accelerator time; the sum of their losses. `before(last)` runs ahead of
+    each (whether it is the replica's last of the step)."""
+    loss_sum = 0.0
+    for position, microbatch in enumerate(microbatches):
+        before(position == len(microbatches) - 1)
+        loss_sum += workload.compute(step, microbatch).loss
+        if compute_ms > 0:
+            time.sleep(compute_ms / 1000.0)
+    return loss_sum
+
+
 def train(config: DDPConfig, rank: int) -> dict[str, list[float]]:
     """Train `config.steps` steps; returns per-step end times and this rank's loss sums."""
     # One intra-op thread, as ReCoVer's workers: same per-process compute, same sharing of cores.
@@ -89,19 +105,17 @@ def train(config: DDPConfig, rank: int) -> dict[str, list[float]]:
             (loss * scale).backward()
         return loss.detach(), gpt.tokens_per_microbatch
 
+    def mark(is_last: bool) -> None:
+        nonlocal last
+        last = is_last
+
     # ReCoVer's own microbatch code (sample order, dropout seeds), DDP's backward.
     workload = gpt.workload(forward_backward)
     ended_at: list[float] = []
     loss_sums: list[float] = []
     for step in range(config.steps):
         optimizer.zero_grad(set_to_none=False)
-        loss_sum = 0.0
-        for position, microbatch in enumerate(mine):
-            last = position == len(mine) - 1
-            result = workload.compute(step, microbatch)
-            if config.compute_ms > 0:
-                time.sleep(config.compute_ms / 1000.0)
-            loss_sum += result.loss
+        loss_sum = compute_share(workload, step, mine, config.compute_ms, mark)
         optimizer.step()
         ended_at.append(time.time())
         loss_sums.append(loss_sum)

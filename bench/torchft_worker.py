@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from recover.bench.ddp_worker import DDPConfig, my_microbatches
+from recover.bench.ddp_worker import DDPConfig, compute_share, my_microbatches
 from recover.bench.reference_model import ReferenceGPT
 from recover.workloads.tinygpt import config as tinygpt
 
@@ -70,12 +70,7 @@ def train(config: DDPConfig, rank: int, lighthouse: str, store_port: int) -> dic
     for step in range(config.steps):
         manager.start_quorum()
         inner.zero_grad(set_to_none=False)
-        loss_sum = 0.0
-        for microbatch in mine:
-            result = workload.compute(step, microbatch)
-            if config.compute_ms > 0:
-                time.sleep(config.compute_ms / 1000.0)
-            loss_sum += result.loss
+        loss_sum = compute_share(workload, step, mine, config.compute_ms)
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         manager.allreduce(flat).wait()
         for p, reduced in zip(params, flat.split([p.numel() for p in params]), strict=True):

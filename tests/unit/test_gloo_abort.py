@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -96,18 +97,26 @@ def test_an_aborted_group_stops_waiting_closes_at_once_and_is_destroyed_once_glo
         thread.join(5)
         assert isinstance(outcome[0], CollectiveAborted)
         assert time.monotonic() - aborted_at < 0.5  # a slice or two, not the 10 s timeout
-        before = graveyard.buried()
-        closing = time.monotonic()
-        group.close()
-        assert time.monotonic() - closing < 0.5 and graveyard.buried() == before + 1
-        stuck.works[0].done.set()  # gloo ends the operation (its own timeout)
-        graveyard.purge()
-        assert graveyard.buried() == before
+        closes_into_the_graveyard(group, stuck)
         del real
     finally:
         group.close()
         server.close()
     assert WAIT_SLICE.total_seconds() <= 0.05
+
+
+def closes_into_the_graveyard(group: GenerationGroup, stuck: StuckGroup,
+                              while_buried: Callable[[], None] = lambda: None) -> None:
+    """close() returns at once, the group buried while its collective runs; once gloo ends
+    the collective (its own timeout), the graveyard destroys the group."""
+    before = graveyard.buried()
+    closing = time.monotonic()
+    group.close()
+    assert time.monotonic() - closing < 0.5 and graveyard.buried() == before + 1
+    while_buried()
+    stuck.works[0].done.set()
+    graveyard.purge()
+    assert graveyard.buried() == before
 
 
 def test_a_group_closed_under_a_started_unwaited_collective_is_buried_not_destroyed() -> None:
@@ -122,15 +131,12 @@ def test_a_group_closed_under_a_started_unwaited_collective_is_buried_not_destro
         real, group._pg = group._pg, stuck  # type: ignore[assignment]
         wait = group.start_allreduce_sum_(torch.ones(8))  # started, never waited for
         assert stuck.works and not stuck.works[0].is_completed()
-        before = graveyard.buried()
-        closing = time.monotonic()
-        group.close()
-        assert time.monotonic() - closing < 0.5 and graveyard.buried() == before + 1
-        with pytest.raises(CollectiveAborted):
-            wait()  # a late wait is told the group is gone, at once
-        stuck.works[0].done.set()
-        graveyard.purge()
-        assert graveyard.buried() == before
+
+        def late_wait() -> None:
+            with pytest.raises(CollectiveAborted):
+                wait()  # told the group is gone, at once
+
+        closes_into_the_graveyard(group, stuck, late_wait)
         del real
     finally:
         group.close()
