@@ -23,9 +23,10 @@ before the clock starts) serving each:
   before the clock starts (the best a socket can do here); `raw-fresh`: into a
   buffer allocated just before.
 
-Both processes keep freed memory as workers do (`trainer/memory.py`), and the donor computes
-for 20 ms before each join's clock starts, as a training donor is busy up to its snapshot
-(both since 2026-11-28: an idle donor's copy was 2-24 ms instead of ~1 ms, the CPU waking).
+Both processes keep freed memory and run one intra-op thread as workers do
+(`trainer/memory.py`, the agent's OMP_NUM_THREADS=1), and the donor computes for 20 ms before
+each join's clock starts, as a training donor is busy up to its snapshot (all since
+2026-11-28: an idle donor's copy was 2-24 ms instead of ~1 ms, the CPU waking).
 
 Clocks are CLOCK_MONOTONIC, shared by the two processes: the receiver reports
 when its last byte landed (and, for `stream`, when its destinations were
@@ -265,6 +266,10 @@ def main() -> int:
     args = parser.parse_args()
     if keep_freed_memory is not None:
         keep_freed_memory()  # both ends are workers, which keep it (rt.init)
+    # One intra-op thread, as a worker's (the agent sets OMP_NUM_THREADS=1). With one per
+    # core, the donor's idle OpenMP threads spun after its compute and stalled the join's
+    # threads by 4-5 ms at random: most of the demo-size joins' spread (2026-11-28).
+    torch.set_num_threads(1)
     if args.receiver:
         receive(args.receiver, args.nbytes, args.mb, args.layers, args.receiver_host,
                 args.check_digest)

@@ -87,6 +87,20 @@ def test_any_split_of_reads_gives_back_the_bytes_sent(size: int, read_step: int 
     b.close()
 
 
+def test_a_record_larger_than_the_ones_before_it_is_served_by_small_reads_too() -> None:
+    """The buffer for a record read in pieces starts at the record's size (a frame's header
+    and message: small) and grows when a larger record is read in pieces later."""
+    donor, joiner, a, b = _pair()
+    small, large = b"h" * 21, bytes(range(256)) * (RECORD_BYTES // 256)
+    sender = threading.Thread(target=lambda: (donor.sendall(small), donor.sendall(large)))
+    sender.start()
+    assert _read(joiner, len(small), 7) == small
+    assert _read(joiner, len(large), 4096) == large
+    sender.join(10)
+    a.close()
+    b.close()
+
+
 @pytest.mark.parametrize("change,match", [
     ("flip a ciphertext byte", "failed its check"),
     ("flip a tag byte", "failed its check"),
