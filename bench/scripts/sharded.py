@@ -23,12 +23,16 @@ drifts hit all of them:
 * With `--spanning`: `R x K` (each replica's ranks on one agent) against `R x K spanning`
   (each replica's K ranks on K agents of one slot, `--agents R*K`: the replica's group met on
   its rank 0's TCP store, lost as a unit across agents), no torch baseline.
+* With `--exact-cost`: no kills; for 2 x 2 and 4 x 2 the failure-free step in fast mode, in
+  exact mode (each microbatch's gradient shard quantized, reduce-scattered inside the replica
+  every microbatch, summed across replicas in integers) and plain torch's, side by side.
 
 Recovery is kill -> every survivor computes again (the controller's `recovered_s`).
 
     python bench/scripts/sharded.py --rounds 4 --out bench/results/sharded
     python bench/scripts/sharded.py --rounds 4 --example pipeline --out bench/results/sharded-pipeline
     python bench/scripts/sharded.py --rounds 3 --spanning --out bench/results/sharded-spanning
+    python bench/scripts/sharded.py --rounds 4 --exact-cost --out bench/results/sharded-exact
 """
 
 from __future__ import annotations
@@ -61,9 +65,10 @@ def kills(replicas: int, ranks: int, round_: int) -> list[str]:
 
 
 def run_job(out: Path, replicas: int, ranks: int, faults: list[str],
-            example: str = "hsdp", spanning: bool = False) -> dict[str, Any] | None:
+            example: str = "hsdp", spanning: bool = False, reduce: str = "fast",
+            ) -> dict[str, Any] | None:
     args = [sys.executable, "-m", "recover.cli.main", "run", "--out", str(out), "--quiet",
-            "--replicas", str(replicas), "--ranks-per-replica", str(ranks),
+            "--replicas", str(replicas), "--ranks-per-replica", str(ranks), "--reduce", reduce,
             *(["--agents", str(replicas * ranks)] if spanning else []),
             "--steps", str(STEPS), "-M", "8", "--compute-ms", "20", "--max-restarts", "0",
             *[part for fault in faults for part in ("--kill", fault)],
@@ -110,8 +115,13 @@ def main() -> int:
                         help="what a replica of several ranks runs: FSDP2 or pipeline stages")
     parser.add_argument("--spanning", action="store_true",
                         help="2x2 and 4x2 with each replica on one agent and spanning K agents")
+    parser.add_argument("--exact-cost", action="store_true",
+                        help="no kills: 2x2 and 4x2 failure-free in fast and exact mode and "
+                             "plain torch's, side by side")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.exact_cost:
+        return exact_cost(args)
     layouts = ([(2, 2, False), (2, 2, True), (4, 2, False), (4, 2, True)] if args.spanning
                else [(2, 1, False), (2, 2, False), (4, 1, False), (4, 2, False)])
 
@@ -160,6 +170,43 @@ def main() -> int:
         print(f"| {name} | {rec['n']} | {rec.get('p50_s', '-')} s | {rec.get('p99_s', '-')} s | "
               f"{rec.get('max_s', '-')} s | {ours} s | {theirs or '-'} s | {ratio} |")
     return 0
+
+
+def exact_cost(args: argparse.Namespace) -> int:
+    """The failure-free step of each sharded layout in fast mode, exact mode and plain torch,
+    interleaved within each round (the order rotating), so load drifts hit all three."""
+    layouts, modes = [(2, 2), (4, 2)], ["fast", "exact", "torch"]
+    steps: dict[str, dict[str, list[float]]] = {f"{r}x{k}": {m: [] for m in modes}
+                                                for r, k in layouts}
+    for round_ in range(args.rounds):
+        for replicas, ranks in layouts:
+            name = f"{replicas}x{ranks}"
+            for mode in modes[round_ % 3:] + modes[:round_ % 3]:
+                print(f"round {round_}: {name} {mode}", flush=True)
+                if mode == "torch":
+                    step = baseline_step(replicas, ranks, args.example)
+                else:
+                    ref = run_job(args.out / f"{name}-{mode}-r{round_}", replicas, ranks, [],
+                                  args.example, reduce=mode)
+                    step = step_time(ref) if ref is not None else None
+                if step is not None:
+                    steps[name][mode].append(step)
+    medians = {name: {m: round(statistics.median(v), 4) if v else None
+                      for m, v in by_mode.items()} for name, by_mode in steps.items()}
+    (args.out / "results.json").write_text(json.dumps(
+        {"environment": environment(), "rounds": args.rounds, "example": args.example,
+         "step_s": steps, "step_s_median": medians}, indent=1))
+    print("| layout | fast | exact | torch | exact / fast | fast / torch | exact / torch |")
+    print("|---|---|---|---|---|---|---|")
+    for name, m in medians.items():
+        print(f"| {name} | {m['fast']} s | {m['exact']} s | {m['torch']} s | "
+              f"{ratio(m['exact'], m['fast'])} | {ratio(m['fast'], m['torch'])} | "
+              f"{ratio(m['exact'], m['torch'])} |")
+    return 0
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}" if a and b else "-"
 
 
 if __name__ == "__main__":
