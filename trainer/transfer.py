@@ -234,10 +234,10 @@ def _warm(server: ssl.SSLContext, done: threading.Event) -> None:
     try:
         ours.settimeout(HELLO_TIMEOUT_S)
         theirs.settimeout(HELLO_TIMEOUT_S)
-        accepting = threading.Thread(target=_quietly, args=(server.wrap_socket, theirs, True,
-                                                            key), daemon=True)
+        accepting = threading.Thread(target=_shake_and_seal,
+                                     args=(server.wrap_socket, theirs, True, key), daemon=True)
         accepting.start()
-        _quietly(_client_context().wrap_socket, ours, False, key)
+        _shake_and_seal(_client_context().wrap_socket, ours, False, key)
         accepting.join(HELLO_TIMEOUT_S)
     finally:
         gloo.include_sockets([ours, theirs])
@@ -246,15 +246,21 @@ def _warm(server: ssl.SSLContext, done: threading.Event) -> None:
         done.set()
 
 
-def _quietly(wrap: Callable[..., ssl.SSLSocket], sock: socket.socket, server_side: bool,
-             key: bytes) -> None:
+def _shake_and_seal(wrap: Callable[..., ssl.SSLSocket], sock: socket.socket,
+                    server_side: bool, key: bytes) -> None:
+    """One end of `_warm`; failures are ignored (it only warms)."""
     try:
-        sealed = SealedSocket(wrap(sock, server_side=server_side).unwrap(), key,
-                              donor=not server_side)
+        tls = wrap(sock, server_side=server_side)  # `sock`'s descriptor is now `tls`'s
+    except (ssl.SSLError, OSError):
+        return
+    try:
+        sealed = SealedSocket(tls.unwrap(), key, donor=not server_side)
         sealed.sendall(b"warm")
         sealed.recv_into(bytearray(4))
     except (ssl.SSLError, OSError, SealError):
         pass
+    finally:
+        tls.close()
 
 
 class Listener:
