@@ -20,6 +20,11 @@ from tests.integration.conftest import control_events, control_status, recover_c
 
 pytestmark = pytest.mark.slow
 
+OUTLASTS_THE_TEST = "100000"
+"""Steps of a job these tests stop themselves: it must still be running when they check its
+agents and plan, however fast the survivors train (400 steps once ended before a busy
+machine's `recover status` polls were done, and a finished job has no agents to count)."""
+
 
 def status_or_none(address: str, netns: str | None = None) -> dict[str, Any] | None:
     """The job's status as `recover status --json` prints it, or None while the controller is
@@ -82,7 +87,7 @@ def test_host_loss_kill_and_stop(tmp_path: Path) -> None:
 
     try:
         controller = start("controller", "controller", "--port", str(port), "--replicas", "4",
-                           "--steps", "400", "-M", "8", "-B", "4", "--metrics-port",
+                           "--steps", OUTLASTS_THE_TEST, "-M", "8", "-B", "4", "--metrics-port",
                            str(metrics_port), "--job-id", "hosts")
         time.sleep(0.5)
         start("agent-a", "agent", "--controller", address, "--slots", "2", "--agent-id", "a",

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from tests.integration.conftest import recover_cmd, wait_for
-from tests.integration.test_hosts import recover_json, steps_committed
+from tests.integration.test_hosts import OUTLASTS_THE_TEST, recover_json, steps_committed
 
 pytestmark = pytest.mark.slow
 
@@ -90,7 +90,7 @@ def test_a_host_cut_off_from_the_network_is_lost_and_stands_down(namespaces, tmp
     try:
         processes.append(ns.run(ns.ctl, recover_cmd(
             "controller", "--host", f"{SUBNET}.1", "--port", "50061", "--replicas", "4",
-            "--steps", "400", "-M", "8", "-B", "4", "--job-id", "partition"),
+            "--steps", OUTLASTS_THE_TEST, "-M", "8", "-B", "4", "--job-id", "partition"),
             logs / "controller.log"))
         time.sleep(0.5)
         processes.append(ns.run(ns.ctl, recover_cmd(
