@@ -25,7 +25,7 @@ drifts hit all of them:
   its rank 0's TCP store, lost as a unit across agents), no torch baseline.
 * With `--exact-cost`: no kills; for 2 x 2 and 4 x 2 the failure-free step in fast mode, in
   exact mode (each microbatch's gradient shard quantized, reduce-scattered inside the replica
-  every microbatch, summed across replicas in integers) and plain torch's, side by side.
+  every microbatch, summed across replicas in fixed point) and plain torch's, side by side.
 
 Recovery is kill -> every survivor computes again (the controller's `recovered_s`).
 
