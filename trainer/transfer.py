@@ -273,7 +273,7 @@ class Listener:
         self.tls_sha256 = ""
         """The certificate a donor must see (empty: plain TCP)."""
         self.warmed = threading.Event()
-        """Set once `_warm` ran (TLS only): both sides of a handshake done once in this process."""
+        """Set once `_warm` ran (TLS only): a handshake and sealed records done once here."""
         if tls:
             self._tls, self.tls_sha256 = _transfer_certificate()
             threading.Thread(target=_warm, args=(self._tls, self.warmed), daemon=True,
