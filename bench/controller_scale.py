@@ -2,17 +2,20 @@
 
 For each N: a real `recover controller` (in-memory store) for a job of
 replicas = M = N, and N one-slot simulated agents (`recover.bench.sim_agents`,
-up to AGENTS_PER_PROCESS per client process) on loopback. Phases:
+up to AGENTS_PER_PROCESS per client process) on loopback, or (`sim_racks`) simulated
+racks speaking the relay protocol for them (`recover.bench.sim_racks`). Phases:
 1. ramp-up: every agent registers and reports ready; the controller plans
    generation 1 and broadcasts it (time to all-up, register round trips);
 2. steady state for `duration_s`: heartbeats at 1 Hz. Measured: controller CPU
    (utime + stime from /proc/PID/stat over the window) and the round trip of a
-   unary `Status` RPC sent by a probe every 0.2 s. Heartbeats are not
+   probe every 0.2 s: a unary `Events` RPC asking for nothing new. Heartbeats are not
    acknowledged by the protocol, so their own latency cannot be seen from
-   outside; the Status round trip goes through the same event loop that
-   handles them and is the honest proxy (queueing behind heartbeat work);
-3. one agent's death (its stream closed): time to the first and to the last
-   survivor receiving the new generation (the new plan).
+   outside; the probe goes through the same event loop that handles them and is the
+   honest proxy (queueing behind heartbeat work). (It was `Status` until 2026-11-28,
+   whose answer lists every replica: at 12,500 agents the probe itself took a fifth of
+   the leader's core.);
+3. `kills` agents' deaths one after another (their streams closed): for each, the time
+   to the first and to the last survivor receiving the new generation (the new plan).
 Agents the controller declared lost on its own (heartbeats handled too late)
 are counted from `Status.agents`.
 """
@@ -39,6 +42,8 @@ from recover.proto import pb
 
 AGENTS_PER_PROCESS = 250
 """Simulated agents per client process: one asyncio loop keeps up with this many at 1 Hz."""
+RACK_PROCESSES = 4
+"""Processes the simulated racks are spread over (a rack's stream is cheap after the start)."""
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -59,6 +64,14 @@ class ScaleConfig:
     relays: int = 0
     """Agents reach the controller through this many relays (`recover relay`), each client
     process through one (round robin); 0: directly."""
+    sim_racks: int = 0
+    """Instead of agents' processes, this many simulated racks: streams speaking the relay's
+    protocol to the leader for their agents (`recover.bench.sim_racks`), so the leader can be
+    measured at sizes whose agents and relays this machine cannot host; 0: not simulated."""
+    kills: int = 1
+    """Agents killed one after another after the steady window, each reaction timed."""
+    kill_every_s: float = 2.0
+    """Seconds between two kills (each kill's new generation is read from the events after it)."""
 
 
 def cpu_seconds(pid: int) -> float:
@@ -95,16 +108,18 @@ def agents_per_core(fit: tuple[float, float]) -> int | None:
     return int((1.0 - fixed) / slope) if slope > 0 else None
 
 
-def plan_receipts(per_agent: list[dict[str, float]], killed_at: float, newest: int) -> list[float]:
+def plan_receipts(per_agent: list[dict[str, float]], killed_at: float, newest: int,
+                  before: int = 1) -> list[float]:
     """Sorted times at which each survivor first received a generation made after the death (pure).
 
-    Only generations up to `newest` (the controller's generation just before the
-    agents are stopped) count: stopping the agents makes more generations, which
-    must not be mistaken for the plan that followed the death.
+    Only generations after `before` (the generation the death happened in) and up to
+    `newest` (the controller's generation once the death was answered) count: the next kill,
+    and stopping the agents, make more generations, which must not be mistaken for the plan
+    that followed this death.
     """
     firsts = []
     for received in per_agent:
-        times = [t for g, t in received.items() if 1 < int(g) <= newest and t >= killed_at]
+        times = [t for g, t in received.items() if before < int(g) <= newest and t >= killed_at]
         if times:
             firsts.append(min(times))
     return sorted(firsts)
@@ -141,20 +156,72 @@ def _start_relays(count: int, controller: str, folder: Path
                                   "--listen", "127.0.0.1:0"], folder) for i in range(count)]
 
 
+def client_commands(n: int, config: ScaleConfig, targets: list[str]) -> list[list[str]]:
+    """The simulated agents' processes (pure): agents' own sessions, to the leader or to one
+    of `targets`' relays (round robin), or the racks' streams (`sim_racks`) to the leader."""
+    if config.sim_racks:
+        processes = min(config.sim_racks, RACK_PROCESSES, n)
+        commands, first = [], 0
+        for index in range(processes):
+            count = len(range(index, n, processes))
+            racks = len(range(index, config.sim_racks, processes))
+            commands.append([sys.executable, "-m", "recover.bench.sim_racks", targets[0],
+                             str(first), str(count), "--racks", str(min(racks, count))])
+            first += count
+        return commands
+    return [[sys.executable, "-m", "recover.bench.sim_agents", targets[index % len(targets)],
+             str(first), str(count), "--heartbeat", str(config.heartbeat_s)]
+            for index, (first, count) in enumerate(process_split(n))]
+
+
+def reactions(outputs: list[dict[str, Any]], generations: list[int]) -> list[dict[str, Any]]:
+    """Each kill's reaction (pure): kill `i` went to client `i % len(outputs)` (its own
+    `i // len(outputs)`-th kill) and was answered by generation `generations[i]`; the time from
+    it to the first and the last survivor holding a plan made after it."""
+    everyone = [g for out in outputs for g in out["generations"]]
+    rows = []
+    for i, newest in enumerate(generations):
+        kills = outputs[i % len(outputs)]["kills_at"]
+        if i // len(outputs) >= len(kills):
+            continue  # that client had no live agent left to kill
+        killed_at = kills[i // len(outputs)]
+        after = plan_receipts(everyone, killed_at, newest, generations[i - 1] if i else 1)
+        rows.append({"first_s": round(after[0] - killed_at, 5) if after else None,
+                     "last_s": round(after[-1] - killed_at, 5) if after else None,
+                     "survivors": len(after), "generation": newest})
+    return rows
+
+
+def _generations(stub: Any, seen: int, newest: int = 0) -> tuple[int, int]:
+    """The newest generation the leader has made (from its events after `seen`, else
+    `newest`) and the events now seen. Not `Status`: its answer lists every replica, and
+    at 12,500 agents making it left enough garbage for a full collection of the leader's
+    heap, in the middle of the next kill's reaction."""
+    events = stub.Events(pb.EventsRequest(after_seq=seen), timeout=30).events
+    made = [e.generation for e in events if e.kind == "generation"]
+    return max([newest, *made]), events[-1].seq if events else seen
+
+
+NOTHING_NEW = 2**62
+"""An event sequence number past any log: the probe's `Events` call returns nothing."""
+
+
 def _probe(stub: Any, seconds: float) -> tuple[list[float], int]:
-    """Status round trips every 0.2 s for `seconds`; returns them and the last agent count."""
+    """Probe round trips every 0.2 s for `seconds`; returns them and then the agent count."""
     rtts: list[float] = []
-    agents = -1
     end = time.time() + seconds
     while time.time() < end:
         sent = time.perf_counter()
         try:
-            status = stub.Status(pb.StatusRequest(), timeout=10)
+            stub.Events(pb.EventsRequest(after_seq=NOTHING_NEW), timeout=10)
             rtts.append(time.perf_counter() - sent)
-            agents = status.agents
         except grpc.RpcError:
             pass
         time.sleep(0.2)
+    try:
+        agents = stub.Status(pb.StatusRequest(), timeout=10).agents
+    except grpc.RpcError:
+        agents = -1
     return rtts, agents
 
 
@@ -167,12 +234,9 @@ def measure(n: int, config: ScaleConfig, progress: Callable[[str], None]) -> dic
     try:
         relays = _start_relays(config.relays, address, folder)
         began = time.time()
-        for index, (first, count) in enumerate(process_split(n)):
-            target = relays[index % len(relays)][1] if relays else address
-            clients.append(subprocess.Popen(
-                [sys.executable, "-m", "recover.bench.sim_agents", target, str(first),
-                 str(count), "--heartbeat", str(config.heartbeat_s)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+        for command in client_commands(n, config, [a for _, a in relays] or [address]):
+            clients.append(subprocess.Popen(command, stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, text=True))
         for client in clients:
             assert client.stdout is not None
             # A client says "up", or why not; one whose agents never connect says nothing.
@@ -187,17 +251,24 @@ def measure(n: int, config: ScaleConfig, progress: Callable[[str], None]) -> dic
         if all_up_s > config.ramp_timeout_s:
             raise RuntimeError(f"N={n}: ramp-up took {all_up_s:.0f}s")
         channel, stub = connect(address, 10)
+        generation, seen = _generations(stub, 0)  # the start-up's events, read once
         time.sleep(min(2.0, config.duration_s / 4))  # let the start-up burst settle
         cpu0, t0 = cpu_seconds(controller.pid), time.time()
         relay_cpu0 = sum(cpu_seconds(proc.pid) for proc, _ in relays)
         rtts, agents_seen = _probe(stub, config.duration_s)
         cpu1, t1 = cpu_seconds(controller.pid), time.time()
         relay_cpu1 = sum(cpu_seconds(proc.pid) for proc, _ in relays)
-        victim = clients[0]
-        assert victim.stdin is not None
-        victim.stdin.write("kill\n")
-        victim.stdin.flush()
-        time.sleep(3.0)  # the new generation, then let late receipts land
+        generation, seen = _generations(stub, seen, generation)
+        answered = []  # each kill's generation, once the leader has had time to answer it
+        for i in range(config.kills):
+            victim = clients[i % len(clients)]
+            assert victim.stdin is not None
+            victim.stdin.write("kill\n")
+            victim.stdin.flush()
+            time.sleep(config.kill_every_s)  # the new generation, then let late receipts land
+            generation, seen = _generations(stub, seen, generation)
+            answered.append(generation)
+        time.sleep(1.0)
         status = stub.Status(pb.StatusRequest(), timeout=10)
         outputs = []
         for client in clients:
@@ -220,9 +291,9 @@ def measure(n: int, config: ScaleConfig, progress: Callable[[str], None]) -> dic
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    killed_at = outputs[0]["killed_at"]
-    after = plan_receipts([g for out in outputs for g in out["generations"]], killed_at,
-                          status.generation)
+    reacted = reactions(outputs, answered)
+    firsts = [r["first_s"] for r in reacted if r["first_s"] is not None]
+    lasts = [r["last_s"] for r in reacted if r["last_s"] is not None]
     registers = [r for out in outputs for r in out["register_rtt_s"] if r is not None]
     errors = [e for out in outputs for e in out["errors"]]
     cpu_frac = (cpu1 - cpu0) / (t1 - t0)
@@ -234,13 +305,19 @@ def measure(n: int, config: ScaleConfig, progress: Callable[[str], None]) -> dic
         "controller_cpu_ms_per_agent_s": round(1000 * cpu_frac / n, 4),
         "relays": len(relays),
         "relays_cpu_fraction": round((relay_cpu1 - relay_cpu0) / (t1 - t0), 4),
-        "status_rtt_p50_s": round(percentile(rtts, 50), 5) if rtts else None,
-        "status_rtt_p99_s": round(percentile(rtts, 99), 5) if rtts else None,
-        "status_probes": len(rtts),
+        "probe_rtt_p50_s": round(percentile(rtts, 50), 5) if rtts else None,
+        "probe_rtt_p99_s": round(percentile(rtts, 99), 5) if rtts else None,
+        "probes": len(rtts),
         "agents_alive_in_window": agents_seen,
-        "death_to_first_plan_s": round(after[0] - killed_at, 5) if after else None,
-        "death_to_last_plan_s": round(after[-1] - killed_at, 5) if after else None,
-        "survivors_with_new_plan": len(after), "generation_after_death": status.generation,
+        "death_to_first_plan_s": reacted[0]["first_s"] if reacted else None,
+        "death_to_last_plan_s": reacted[0]["last_s"] if reacted else None,
+        "survivors_with_new_plan": reacted[0]["survivors"] if reacted else 0,
+        "kills": reacted, "killed": sum(len(o["kills_at"]) for o in outputs),
+        "sim_racks": config.sim_racks,
+        "death_to_first_plan_p50_s": round(percentile(firsts, 50), 5) if firsts else None,
+        "death_to_last_plan_p50_s": round(percentile(lasts, 50), 5) if lasts else None,
+        "death_to_last_plan_p99_s": round(percentile(lasts, 99), 5) if lasts else None,
+        "generation_after_death": status.generation,
         "agents_alive_after_death": status.agents, "heartbeats": sum(o["heartbeats"]
                                                                       for o in outputs),
         "session_errors": len(errors), "first_errors": errors[:3],
@@ -249,8 +326,9 @@ def measure(n: int, config: ScaleConfig, progress: Callable[[str], None]) -> dic
         "retry_reasons": sorted({r for o in outputs for r in o.get("retries", [])}),
     }
     progress(f"N={n}: up in {all_up_s:.1f}s, controller CPU {cpu_frac * 100:.1f}% of a core, "
-             f"Status p99 {result['status_rtt_p99_s']}s, death -> last plan "
-             f"{result['death_to_last_plan_s']}s, load {environment()['loadavg_1m']}")
+             f"probe p99 {result['probe_rtt_p99_s']}s, death -> last plan "
+             f"{result['death_to_last_plan_s']}s (p99 of {len(lasts)} kills: "
+             f"{result['death_to_last_plan_p99_s']}s), load {environment()['loadavg_1m']}")
     return result
 
 
@@ -269,7 +347,8 @@ def run(config: ScaleConfig, progress: Callable[[str], None]) -> dict[str, Any]:
     return {"benchmark": "controller", "environment": env,
             "loadavg_1m_end": environment()["loadavg_1m"],
             "config": {"agents": config.agents, "duration_s": config.duration_s,
-                       "relays": config.relays,
+                       "relays": config.relays, "sim_racks": config.sim_racks,
+                       "kills": config.kills,
                        "heartbeat_s": config.heartbeat_s, "slots_per_agent": 1},
             "rows": rows, "cpu_fixed_fraction": fit[0] if fit else None,
             "cpu_fraction_per_agent": fit[1] if fit else None,
@@ -279,19 +358,24 @@ def run(config: ScaleConfig, progress: Callable[[str], None]) -> dict[str, Any]:
 
 
 def format_table(results: dict[str, Any]) -> str:
-    lines = [f"{'agents':>6} {'up s':>6} {'CPU %':>6} {'reg p99':>9} {'Status p50':>10} "
-             f"{'p99':>8} {'death->plan first':>17} {'last':>8} {'lost':>5}"]
+    def ms(seconds: float | None) -> str:
+        return "-" if seconds is None else f"{seconds * 1000:.1f}ms"
+
+    lines = [f"{'agents':>6} {'up s':>6} {'CPU %':>6} {'reg p99':>9} {'probe p50':>10} "
+             f"{'p99':>8} {'kills':>5} {'death->plan first p50':>21} {'last p50':>9} "
+             f"{'last p99':>9} {'lost':>5}"]
     for r in results["rows"]:
         if "error" in r:
             lines.append(f"{r['agents']:>6} {r['error']}")
             continue
-        lost = r["agents"] - 1 - r["agents_alive_after_death"]
+        lost = r["agents"] - r.get("killed", 1) - r["agents_alive_after_death"]
         lines.append(
             f"{r['agents']:>6} {r['all_up_s']:>6.1f} {r['controller_cpu_fraction'] * 100:>6.1f} "
-            f"{r['register_rtt_p99_s'] * 1000:>7.1f}ms {(r['status_rtt_p50_s'] or 0) * 1000:>8.1f}ms "
-            f"{(r['status_rtt_p99_s'] or 0) * 1000:>6.1f}ms "
-            f"{(r['death_to_first_plan_s'] or 0) * 1000:>15.1f}ms "
-            f"{(r['death_to_last_plan_s'] or 0) * 1000:>6.1f}ms {lost:>5}")
+            f"{ms(r['register_rtt_p99_s']):>9} {ms(r['probe_rtt_p50_s']):>10} "
+            f"{ms(r['probe_rtt_p99_s']):>8} {len(r.get('kills', [])):>5} "
+            f"{ms(r.get('death_to_first_plan_p50_s')):>21} "
+            f"{ms(r.get('death_to_last_plan_p50_s')):>9} "
+            f"{ms(r.get('death_to_last_plan_p99_s')):>9} {lost:>5}")
     if results["cpu_fraction_per_agent"] is not None:
         lines.append(f"fit: CPU = {results['cpu_fixed_fraction'] * 100:.2f}% + N x "
                      f"{results['cpu_fraction_per_agent'] * 1e5:.2f}e-3 %; extrapolated: "

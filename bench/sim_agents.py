@@ -10,7 +10,7 @@ ever reduced, so none commits).
 
 Control over stdin/stdout, one line each way:
 * prints `up` once every agent of this process has received generation 1;
-* stdin `kill` closes the stream of the process's first agent (its death);
+* stdin `kill` closes the stream of the process's next live agent (its death);
 * stdin `stop` (or EOF) ends every session and prints one JSON line:
   register round trips, the receipt time of every generation per agent,
   the kill time, heartbeats sent, per-agent errors, and the sessions that failed
@@ -143,18 +143,25 @@ async def main_async(address: str, first: int, count: int, period_s: float) -> d
               f"{failed[0].error or 'session ended'}", flush=True)
 
     announcer = asyncio.create_task(announce())
-    killed_at = None
+    kills_at: list[float] = []
+    victims: list[int] = []
     while (await reader.readline()).strip() == b"kill":
-        killed_at = time.time()
-        agents[0].closing.set()
-        tasks[0].cancel()  # closes its channel: the controller sees the stream end
+        victim = next((i for i, a in enumerate(agents) if a.up.is_set() and not a.closing.is_set()),
+                      None)
+        if victim is None:
+            continue
+        kills_at.append(time.time())
+        victims.append(agents[victim].replica)
+        agents[victim].closing.set()
+        tasks[victim].cancel()  # closes its channel: the controller sees the stream end
     announcer.cancel()
     for agent in agents:
         agent.closing.set()
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    return {"killed_at": killed_at, "victim": agents[0].replica,
+    return {"killed_at": kills_at[0] if kills_at else None, "kills_at": kills_at,
+            "victim": victims[0] if victims else -1, "victims": victims,
             "register_rtt_s": [a.register_rtt_s for a in agents],
             "generations": [{str(g): t for g, t in a.generations.items()} for a in agents],
             "replicas": [a.replica for a in agents],

@@ -3,6 +3,7 @@
     recover bench recovery --out DIR [--runs N] [--replicas R] [--microbatches M]
     recover bench overhead --out DIR [--replicas R] [-M M] [--steps T] [--reps K] [--torchft DIR]
     recover bench controller --out DIR [--agents N1,N2,...] [--duration S] [--relays K]
+                             [--sim-racks K] [--kills K]
 
 The work lives in recover.bench; bad input is a UsageError (one line, exit 2).
 """
@@ -47,14 +48,21 @@ def reference_job(args: argparse.Namespace, who: str) -> pb.JobConfig:
     return job
 
 
+MAX_AGENT_CLIENTS = 5000
+"""Agents with sessions of their own (a gRPC client each, on this machine) at most."""
+MAX_SIMULATED_AGENTS = 100_000
+"""Agents behind simulated racks at most (`--sim-racks`)."""
+
+
 def _agent_counts(text: str) -> list[int]:
     try:
         counts = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected N1,N2,... whole numbers, got {text!r}"
                                          ) from None
-    if not counts or any(not 1 <= n <= 5000 for n in counts):
-        raise argparse.ArgumentTypeError(f"agent counts must be 1..5000, got {text!r}")
+    if not counts or any(not 1 <= n <= MAX_SIMULATED_AGENTS for n in counts):
+        raise argparse.ArgumentTypeError(f"agent counts must be 1..{MAX_SIMULATED_AGENTS}, "
+                                         f"got {text!r}")
     return counts
 
 
@@ -92,6 +100,12 @@ def add_parsers(kinds: Any) -> None:
     ctl.add_argument("--relays", type=int, default=0,
                      help="agents reach the controller through this many relays (`recover "
                           "relay`, one per rack; 0: directly, the default)")
+    ctl.add_argument("--sim-racks", type=int, default=0, metavar="K",
+                     help="simulate K racks instead: streams speaking the relay protocol for "
+                          "their agents, so the leader is measured at sizes whose agents and "
+                          "relays this machine cannot host (not with --relays)")
+    ctl.add_argument("--kills", type=int, default=1,
+                     help="agents killed one after another, each reaction timed (default 1)")
 
 
 def _write(out: Path, results: dict[str, Any]) -> None:
@@ -155,9 +169,26 @@ def _controller(args: argparse.Namespace) -> int:
         raise UsageError(f"--duration must be 3..600 seconds, got {args.duration}")
     if not 0 <= args.relays <= 1000:
         raise UsageError(f"--relays must be 0..1000, got {args.relays}")
+    if not 0 <= args.sim_racks <= 1000:
+        raise UsageError(f"--sim-racks must be 0..1000, got {args.sim_racks}")
+    if not args.sim_racks and max(args.agents) > MAX_AGENT_CLIENTS:
+        raise UsageError(f"--agents: at most {MAX_AGENT_CLIENTS} agents with sessions of their "
+                         f"own, got {max(args.agents)}; larger counts with --sim-racks")
+    if args.sim_racks and args.relays:
+        raise UsageError("--sim-racks simulates the relays' streams; it cannot be used with "
+                         "--relays")
+    if args.sim_racks and min(args.agents) < args.sim_racks:
+        raise UsageError(f"--sim-racks {args.sim_racks}: every agent count must be at least "
+                         f"the racks, got {min(args.agents)}")
+    if not 1 <= args.kills <= 1000:
+        raise UsageError(f"--kills must be 1..1000, got {args.kills}")
+    if args.kills >= min(args.agents):
+        raise UsageError(f"--kills {args.kills} must leave a survivor of the smallest count "
+                         f"({min(args.agents)} agents)")
     out = out_dir(args.out)
     results = controller_scale.run(controller_scale.ScaleConfig(
-        agents=args.agents, duration_s=args.duration, out=out, relays=args.relays), say)
+        agents=args.agents, duration_s=args.duration, out=out, relays=args.relays,
+        sim_racks=args.sim_racks, kills=args.kills), say)
     _write(out, results)
     print(controller_scale.format_table(results))
     print(f"results: {out / 'results.json'}")

@@ -35,7 +35,7 @@ from recover.controller import (
 )
 from recover.controller.events import EventLog
 from recover.controller.inflight import Complete, Drop, Stale, StepInFlight
-from recover.controller.interpreter import EffectInterpreter
+from recover.controller.interpreter import EffectInterpreter, SendAll
 from recover.controller.jobstate import TERMINAL, JobState, RejoinUnexpected
 from recover.controller.joinreports import JoinReports
 from recover.controller.leader import LostLeadership
@@ -76,6 +76,7 @@ class Coordinator:
         *,
         agent_timeout_s: float = 3.0,
         clock: Callable[[], float] = time.time,
+        send_all: SendAll | None = None,
     ) -> None:
         self.view = JobView(job=job)
         """The job's state; replaced (never edited) by each transition."""
@@ -96,7 +97,8 @@ class Coordinator:
         self.ledger = Ledger()
         self._effects = EffectInterpreter(
             view=lambda: self.view, send=send, records=self.records, events=self.events,
-            recovery=self.recovery, ledger=self.ledger, inflight=self.inflight, clock=clock)
+            recovery=self.recovery, ledger=self.ledger, inflight=self.inflight, clock=clock,
+            send_all=send_all)
         self.done = self._effects.done
         """Set once the job's end is stored and announced."""
         self.rejected: dict[str, int] = {}

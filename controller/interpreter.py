@@ -21,15 +21,26 @@ from recover.controller.view import JobView
 from recover.proto import pb
 
 Send = Callable[[str, pb.ControllerMessage], None]
+SendAll = Callable[[tuple[str, ...], pb.ControllerMessage], None]
+
+
+def _one_by_one(send: Send) -> SendAll:
+    def send_all(agent_ids: tuple[str, ...], message: pb.ControllerMessage) -> None:
+        for agent_id in agent_ids:
+            send(agent_id, message)
+    return send_all
 
 
 class EffectInterpreter:
     def __init__(self, *, view: Callable[[], JobView], send: Send, records: Records,
                  events: EventLog, recovery: RecoveryTracker, ledger: Ledger,
-                 inflight: StepInFlight, clock: Callable[[], float]) -> None:
+                 inflight: StepInFlight, clock: Callable[[], float],
+                 send_all: SendAll | None = None) -> None:
         self._view = view
         """The view the effects were asked for (the coordinator's, just frozen)."""
         self._send = send
+        self._send_all = send_all or _one_by_one(send)
+        """One message to many agents (the sessions' own checks leadership once for all)."""
         self._records = records
         self._events = events
         self._recovery = recovery
@@ -50,6 +61,8 @@ class EffectInterpreter:
         match effect:
             case effects.Send(agent_id, message):
                 self._send(agent_id, message)
+            case effects.Broadcast(agent_ids, message):
+                self._send_all(agent_ids, message)
             case effects.Emit(kind, message, step, generation, replica, level, pid):
                 self._events.emit(kind, message, step=step, generation=generation,
                                   replica=replica, level=level, pid=pid)

@@ -54,10 +54,12 @@ def sample_digest(sample_ids: Iterable[int]) -> str:
 def plan_message(step: int, generation: int, scale_epoch: int, decision: PlanDecision, *,
                  open_shares: bool = False, version: int = 0) -> pb.Plan:
     """`open_shares`: work-stealing may still move microbatches (pb.Plan.open)."""
-    return pb.Plan(step=step, generation=generation, reason=decision.reason, scale_epoch=scale_epoch,
-                   assignments=[pb.Assignment(replica=r, microbatch_ids=ids)
-                                for r, ids in decision.assignment.items()],
-                   open=open_shares, version=version)
+    plan = pb.Plan(step=step, generation=generation, reason=decision.reason,
+                   scale_epoch=scale_epoch, open=open_shares, version=version)
+    add = plan.assignments.add  # in place: half the time of building each Assignment apart
+    for replica, ids in decision.assignment.items():
+        add(replica=replica, microbatch_ids=ids)
+    return plan
 
 
 def step_record(job: pb.JobConfig, step: int, generation: int, members: list[int],

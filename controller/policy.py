@@ -8,6 +8,7 @@ tested table-style. M never changes: a plan always covers microbatches
 
 from __future__ import annotations
 
+import heapq
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -94,29 +95,30 @@ def reassign_lost(
     if unknown:
         raise PolicyError(f"survivors {unknown} have no assignment in the current plan")
     members = [*survivors, *spares]
-    load = {r: list(current[r]) for r in survivors} | {r: [] for r in spares}
     orphaned = sorted(mb for r in lost for mb in current.get(r, ()))
-    gains: dict[int, list[int]] = {r: [] for r in members}
-    order = {r: i for i, r in enumerate(members)}
+    gains: dict[int, list[int]] = {}
     spare_set = set(spares)
-
-    def weight(r: int) -> tuple[int, ...]:
-        if spare_set:  # spread: by what each was given now, spares first
-            return (len(gains[r]), r not in spare_set, order[r])
-        return (len(load[r]), order[r])
-
+    # Who takes the next orphan: the smallest (what it was given now, not a spare, its
+    # place) with spares, else (its load, its place); its place makes every key distinct,
+    # so the heap's first is the one `min` over the members would pick. Tuples of ints, not
+    # a list per member: at 12,500 members, 25,000 short-lived lists per loss made Python's
+    # collector walk the leader's whole heap during most losses (BENCHMARKS.md 5).
+    heap = [(0, r not in spare_set, i, r) if spare_set else (len(current[r]), i, 0, r)
+            for i, r in enumerate(members)] if orphaned else []
+    heapq.heapify(heap)
     for microbatch in orphaned:
-        target = min(members, key=weight)
-        load[target].append(microbatch)
-        gains[target].append(microbatch)
-    assignment = {r: tuple(load[r]) for r in members}
+        first, second, third, target = heap[0]
+        gains.setdefault(target, []).append(microbatch)
+        heapq.heapreplace(heap, (first + 1, second, third, target))
+    assignment = {}
+    for r in members:
+        kept = () if r in spare_set else tuple(current[r])
+        assignment[r] = (*kept, *gains[r]) if r in gains else kept
     entered = f"; spares {list(spares)} take their place" if spares else ""
     if not orphaned:
         reason = f"replicas {sorted(lost)} lost with no microbatches; plan unchanged{entered}"
     else:
-        moves = ", ".join(
-            f"{len(ids)} to replica {r}" for r, ids in gains.items() if ids
-        )
+        moves = ", ".join(f"{len(gains[r])} to replica {r}" for r in members if r in gains)
         how = "spread evenly, spares first" if spares else "to the least-loaded survivors"
         reason = (
             f"replicas {sorted(lost)} lost{entered}; their {len(orphaned)} microbatches "

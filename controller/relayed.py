@@ -28,7 +28,8 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -46,13 +47,64 @@ VOUCH_EVERY_S = 0.25
 """A relay's stream refreshes its agents' liveness at most this often (it is O(its agents))."""
 
 
+Delivery = tuple[list[str], pb.ControllerMessage | None, tuple[grpc.StatusCode, str] | None]
+"""Agents, the message for them (None: end their sessions) and why they were refused."""
+
+
+@dataclass(frozen=True)
+class Deliveries:
+    """A batch for one relay, sent as a `RelayDown` of one `RelayDelivery` each."""
+
+    items: list[Delivery]
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field: its key, its length, its bytes."""
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+class RelayDownEncoder:
+    """The relay streams' response serializer. A new generation's view goes to every relay,
+    and at 12,500 agents copying it into each relay's `RelayDown` and serializing each copy
+    took ~55 ms of a loss's reaction for 50 relays (BENCHMARKS.md 5). Here each message is
+    serialized once for all relays (`serialize`: the sessions' `SerializedOnce`, the same
+    object with the same term) and spliced into each relay's `RelayDown` as the delivery's
+    `message` field: the bytes are those `RelayDown.SerializeToString` would give with the
+    message copied in (fields in another order, which protobuf's parsers take as equal)."""
+
+    def __init__(self, serialize: Callable[[pb.ControllerMessage], bytes]) -> None:
+        self._serialize = serialize
+
+    def __call__(self, down: pb.RelayDown | Deliveries) -> bytes:
+        if isinstance(down, pb.RelayDown):
+            return down.SerializeToString()
+        out = []
+        for agent_ids, message, refused in down.items:
+            delivery = pb.RelayDelivery(agent_ids=agent_ids, end=message is None)
+            if refused is not None:
+                delivery.code, delivery.reason = refused[0].value[0], refused[1]
+            body = delivery.SerializeToString()
+            if message is not None:
+                body += _field(pb.RelayDelivery.MESSAGE_FIELD_NUMBER, self._serialize(message))
+            out.append(_field(pb.RelayDown.DELIVERIES_FIELD_NUMBER, body))
+        return b"".join(out)
+
+
 class RelayOutbox:
     """What the leader sends the agents of one relay, batched until the loop is free."""
 
     def __init__(self) -> None:
-        self.down: asyncio.Queue[pb.RelayDown | None] = asyncio.Queue()
-        self._pending: list[tuple[list[str], pb.ControllerMessage | None,
-                                  tuple[grpc.StatusCode, str] | None]] = []
+        self.down: asyncio.Queue[pb.RelayDown | Deliveries | None] = asyncio.Queue()
+        self._pending: list[Delivery] = []
         self._scheduled = False
         self.last_sent = time.monotonic()
         self.agents: dict[str, _AgentViaRelay] = {}
@@ -73,17 +125,10 @@ class RelayOutbox:
 
     def _flush(self) -> None:
         self._scheduled = False
-        down = pb.RelayDown()
-        for agent_ids, message, refused in self._pending:
-            delivery = down.deliveries.add(agent_ids=agent_ids, end=message is None)
-            if message is not None:
-                delivery.message.CopyFrom(message)
-            elif refused is not None:
-                delivery.code, delivery.reason = refused[0].value[0], refused[1]
-        self._pending.clear()
-        self.send(down)
+        pending, self._pending = self._pending, []
+        self.send(Deliveries(pending))
 
-    def send(self, down: pb.RelayDown) -> None:
+    def send(self, down: pb.RelayDown | Deliveries) -> None:
         self.down.put_nowait(down)
         self.last_sent = time.monotonic()
 
@@ -106,6 +151,8 @@ class RelayHub(rpc.RelayLinkServicer):
 
     def __init__(self, sessions: AgentSessions) -> None:
         self.sessions = sessions
+        self.encoder = RelayDownEncoder(sessions.serializer)
+        """The Relay method's response serializer (a view serialized once for all)."""
         self._relays: set[RelayOutbox] = set()
         sessions.release_hooks.append(self._release)
 
@@ -127,7 +174,8 @@ class RelayHub(rpc.RelayLinkServicer):
                 relay.send(pb.RelayDown(term=term))
 
     async def Relay(self, request_iterator: AsyncIterator[pb.RelayUp],  # noqa: N802
-                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.RelayDown]:
+                    context: grpc.aio.ServicerContext
+                    ) -> AsyncIterator[pb.RelayDown | Deliveries]:
         sessions = self.sessions
         await sessions.gate.admit(context, "Relay")
         coordinator = sessions.coordinator

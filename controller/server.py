@@ -132,7 +132,7 @@ async def serve(config: ControllerConfig, job: pb.JobConfig) -> int:
     add_service(server, sessions, "AgentSession", {"Session": sessions.serializer})
     add_service(server, control, "Control")
     relays = RelayHub(sessions)
-    add_service(server, relays, "RelayLink")
+    add_service(server, relays, "RelayLink", {"Relay": relays.encoder})
     control.relay_counts = relays.counts
     listen = f"{config.host}:{config.port}"
     try:
@@ -238,7 +238,7 @@ async def _lead(config: ControllerConfig, job: pb.JobConfig, election: LeaderEle
     """Start a term: a coordinator on fenced writes, rebuilt from the store if a job is there."""
     store = LeaderStore(election)
     coordinator = Coordinator(job, store, sessions.send, rendezvous.address,
-                              agent_timeout_s=config.agent_timeout_s)
+                              agent_timeout_s=config.agent_timeout_s, send_all=sessions.send_all)
     coordinator.start_timeout_s = config.start_timeout_s
     coordinator.start_grace_s = config.start_grace_s
     persisted = await Records(store, job.job_id).load()

@@ -18,10 +18,9 @@ from recover.proto import pb
 
 def broadcast(d: Draft, message: pb.ControllerMessage) -> None:
     """To every live agent that hosts a member of the current generation."""
-    targets = {a for m in d.v.members for a in d.v.replicas[m].agents}
-    for agent_id in sorted(targets):
-        if d.v.agents[agent_id].alive:
-            d.send(agent_id, message)
+    replicas, agents = d.v.replicas, d.v.agents
+    targets = {a for m in d.v.members for a in replicas[m].agents}
+    d.send_all(tuple(a for a in sorted(targets) if agents[a].alive), message)
 
 
 def new_generation(d: Draft, members: list[int], decision: PlanDecision) -> None:

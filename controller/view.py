@@ -357,6 +357,11 @@ class Draft:
     def send(self, agent_id: str, message: pb.ControllerMessage) -> None:
         self.effects.append(effects.Send(agent_id, message))
 
+    def send_all(self, agent_ids: tuple[str, ...], message: pb.ControllerMessage) -> None:
+        """The same message to each of `agent_ids`, in order."""
+        if agent_ids:
+            self.effects.append(effects.Broadcast(agent_ids, message))
+
     def send_replica(self, replica: int, message: pb.ControllerMessage) -> None:
         """To every live agent holding ranks of `replica` (one, unless it spans agents)."""
         for agent_id in self.v.replicas[replica].agents:

@@ -11,16 +11,18 @@ import time
 import grpc
 import pytest
 
-from recover.controller.relayed import RelayOutbox
+from recover.controller.gate import SerializedOnce
+from recover.controller.relayed import Deliveries, RelayDownEncoder, RelayOutbox
 from recover.proto import pb
 from recover.relay.server import Relay, RelayConfig
 from recover.relay.upstream import LeaderStream
 
 
 def _flushed(outbox: RelayOutbox) -> pb.RelayDown:
+    """The one batch sent, as the relay parses it off the wire."""
     down = outbox.down.get_nowait()
     assert down is not None and outbox.down.empty()
-    return down
+    return pb.RelayDown.FromString(RelayDownEncoder(SerializedOnce())(down))
 
 
 def test_a_broadcast_crosses_once_and_each_agent_keeps_its_order() -> None:
@@ -61,6 +63,36 @@ def test_equal_but_distinct_messages_are_not_merged() -> None:
         return _flushed(outbox)
 
     assert [list(d.agent_ids) for d in asyncio.run(scenario()).deliveries] == [["a"], ["b"]]
+
+
+def test_a_view_for_many_relays_is_serialized_once_and_reads_as_its_copy_would() -> None:
+    # A plan of 3,000 replicas: lengths of two and three varint bytes on the way.
+    plan = pb.Plan(step=2, generation=3, assignments=[
+        pb.Assignment(replica=r, microbatch_ids=[r, r + 3000]) for r in range(3000)])
+    view = pb.ControllerMessage(term=5, generation=pb.GenerationView(
+        generation=3, members=range(3000), plan=plan))
+    refused = (grpc.StatusCode.PERMISSION_DENIED, "an impostor")
+    batches = [Deliveries([(["a", "b"], view, None), (["c"], None, refused)]),
+               Deliveries([(["d"], view, None), (["e"], None, None)])]
+    once = SerializedOnce()
+    got = [pb.RelayDown.FromString(RelayDownEncoder(once)(batch)) for batch in batches]
+
+    def copied(batch: Deliveries) -> pb.RelayDown:  # what the leader sent before: a copy each
+        down = pb.RelayDown()
+        for agent_ids, message, why in batch.items:
+            delivery = down.deliveries.add(agent_ids=agent_ids, end=message is None)
+            if message is not None:
+                delivery.message.CopyFrom(message)
+            elif why is not None:
+                delivery.code, delivery.reason = why[0].value[0], why[1]
+        return down
+
+    assert got == [copied(batch) for batch in batches]
+    assert got[1].deliveries[0].message.generation.plan.assignments[2999].microbatch_ids == [
+        2999, 5999]
+    assert (once.serialized, once.reused) == (1, 1)
+    welcome = pb.RelayDown(term=4, agent_timeout_s=3.0)  # not a batch: as it is
+    assert RelayDownEncoder(once)(welcome) == welcome.SerializeToString()
 
 
 def test_messages_go_up_at_once_and_a_keepalive_when_there_is_nothing() -> None:

@@ -63,11 +63,23 @@ def running(replicas: int = 2, spares: int = 0, m: int = 4, reduce: str = "fast"
     return view
 
 
+def sends(todo: tuple[effects.Effect, ...]) -> list[tuple[str, pb.ControllerMessage]]:
+    """(agent, message) of every message sent, in order; a broadcast's to each of its agents."""
+    return [(a, e.message) for e in todo
+            if isinstance(e, effects.Send | effects.Broadcast)
+            for a in ((e.agent_id,) if isinstance(e, effects.Send) else e.agent_ids)]
+
+
 def kinds(todo: tuple[effects.Effect, ...]) -> list[str]:
-    """Effects by name, a message by its kind: ["StartGeneration", "Send:generation", ...]."""
-    return [f"Send:{e.message.WhichOneof('kind')}" if isinstance(e, effects.Send)
-            else f"Emit:{e.kind}" if isinstance(e, effects.Emit) else type(e).__name__
-            for e in todo]
+    """Effects by name, a message by its kind: ["StartGeneration", "Send:generation", ...]
+    (a broadcast is named once for each of its agents)."""
+    named = []
+    for e in todo:
+        if isinstance(e, effects.Send | effects.Broadcast):
+            named += [f"Send:{message.WhichOneof('kind')}" for _, message in sends((e,))]
+        else:
+            named.append(f"Emit:{e.kind}" if isinstance(e, effects.Emit) else type(e).__name__)
+    return named
 
 
 def reduced(view: JobView, replica: int) -> pb.Reduced:
@@ -109,7 +121,7 @@ def test_a_member_lost_mid_step_makes_the_next_generation_and_leaves_the_old_vie
     assert after.plan[0][:2] == before.plan[0] and after.plan[2][:2] == before.plan[2]
     assert kinds(todo) == ["RecordFailure", "StartGeneration", "Emit:generation",
                            "Send:generation", "Send:generation"]
-    assert [e.agent_id for e in todo if isinstance(e, effects.Send)] == ["a0", "a2"]
+    assert [agent for agent, _ in sends(todo)] == ["a0", "a2"]
     assert after.agents is before.agents  # maps nobody wrote are shared, not copied
 
 
@@ -134,7 +146,7 @@ def test_a_commit_without_membership_change_stores_the_next_plan_with_the_record
     after, todo, _ = run(view, commits.commit, [reduced(view, m) for m in view.members])
     commit = next(e for e in todo if isinstance(e, effects.CommitStep))
     assert commit.next_plan is not None and commit.next_plan.step == 1
-    sent = [e.message.commit for e in todo if isinstance(e, effects.Send)]
+    sent = [message.commit for _, message in sends(todo)]
     assert all(c.next_plan == commit.next_plan for c in sent) and len(sent) == 2
     assert (after.step, after.generation) == (1, 1)
 
