@@ -67,7 +67,9 @@ class ScaleConfig:
     sim_racks: int = 0
     """Instead of agents' processes, this many simulated racks: streams speaking the relay's
     protocol to the leader for their agents (`recover.bench.sim_racks`), so the leader can be
-    measured at sizes whose agents and relays this machine cannot host; 0: not simulated."""
+    measured at sizes whose agents and relays this machine cannot host; 0: not simulated.
+    With `relays` too, each real relay carries AGENTS_PER_PROCESS real agents' sessions of
+    the N, and the simulated racks the rest."""
     kills: int = 1
     """Agents killed one after another after the steady window, each reaction timed."""
     kill_every_s: float = 2.0
@@ -156,39 +158,59 @@ def _start_relays(count: int, controller: str, folder: Path
                                   "--listen", "127.0.0.1:0"], folder) for i in range(count)]
 
 
-def client_commands(n: int, config: ScaleConfig, targets: list[str]) -> list[list[str]]:
-    """The simulated agents' processes (pure): agents' own sessions, to the leader or to one
-    of `targets`' relays (round robin), or the racks' streams (`sim_racks`) to the leader."""
-    if config.sim_racks:
-        processes = min(config.sim_racks, RACK_PROCESSES, n)
-        commands, first = [], 0
-        for index in range(processes):
-            count = len(range(index, n, processes))
-            racks = len(range(index, config.sim_racks, processes))
-            commands.append([sys.executable, "-m", "recover.bench.sim_racks", targets[0],
-                             str(first), str(count), "--racks", str(min(racks, count))])
-            first += count
-        return commands
-    return [[sys.executable, "-m", "recover.bench.sim_agents", targets[index % len(targets)],
-             str(first), str(count), "--heartbeat", str(config.heartbeat_s)]
-            for index, (first, count) in enumerate(process_split(n))]
+def client_commands(n: int, config: ScaleConfig, leader: str, relays: list[str]
+                    ) -> list[list[str]]:
+    """The simulated agents' processes (pure): agents' own sessions, to the leader or to
+    `relays` (round robin); with `sim_racks`, the racks' streams to the leader, and then each
+    real relay carries one process of agents (AGENTS_PER_PROCESS) among the N."""
+    def agents(first: int, count: int, target: str) -> list[str]:
+        return [sys.executable, "-m", "recover.bench.sim_agents", target, str(first),
+                str(count), "--heartbeat", str(config.heartbeat_s)]
+
+    if not config.sim_racks:
+        return [agents(first, count, relays[index % len(relays)] if relays else leader)
+                for index, (first, count) in enumerate(process_split(n))]
+    behind_relays = len(relays) * AGENTS_PER_PROCESS
+    racked = n - behind_relays
+    processes = min(config.sim_racks, RACK_PROCESSES, racked)
+    commands, first = [], 0
+    for index in range(processes):
+        count = len(range(index, racked, processes))
+        racks = len(range(index, config.sim_racks, processes))
+        commands.append([sys.executable, "-m", "recover.bench.sim_racks", leader, str(first),
+                         str(count), "--racks", str(min(racks, count))])
+        first += count
+    return commands + [agents(racked + i * AGENTS_PER_PROCESS, AGENTS_PER_PROCESS, relay)
+                       for i, relay in enumerate(relays)]
 
 
 def reactions(outputs: list[dict[str, Any]], generations: list[int]) -> list[dict[str, Any]]:
     """Each kill's reaction (pure): kill `i` went to client `i % len(outputs)` (its own
     `i // len(outputs)`-th kill) and was answered by generation `generations[i]`; the time from
-    it to the first and the last survivor holding a plan made after it."""
-    everyone = [g for out in outputs for g in out["generations"]]
+    it to the first and the last survivor holding a plan made after it, and the last of each
+    kind of client (`racks`: as the leader's stream delivered it to a simulated rack;
+    `agents`: as the agent's own session, direct or through a real relay, did)."""
     rows = []
     for i, newest in enumerate(generations):
         kills = outputs[i % len(outputs)]["kills_at"]
         if i // len(outputs) >= len(kills):
             continue  # that client had no live agent left to kill
         killed_at = kills[i // len(outputs)]
-        after = plan_receipts(everyone, killed_at, newest, generations[i - 1] if i else 1)
-        rows.append({"first_s": round(after[0] - killed_at, 5) if after else None,
-                     "last_s": round(after[-1] - killed_at, 5) if after else None,
-                     "survivors": len(after), "generation": newest})
+        last_by_kind: dict[str, float] = {}
+        received = []
+        for out in outputs:
+            after = plan_receipts(out["generations"], killed_at, newest,
+                                  generations[i - 1] if i else 1)
+            received += after
+            if after:
+                kind = out.get("kind", "agents")
+                last_by_kind[kind] = max(last_by_kind.get(kind, 0.0),
+                                         round(after[-1] - killed_at, 5))
+        received.sort()
+        rows.append({"first_s": round(received[0] - killed_at, 5) if received else None,
+                     "last_s": round(received[-1] - killed_at, 5) if received else None,
+                     "last_by_kind_s": last_by_kind,
+                     "survivors": len(received), "generation": newest})
     return rows
 
 
@@ -234,7 +256,7 @@ def measure(n: int, config: ScaleConfig, progress: Callable[[str], None]) -> dic
     try:
         relays = _start_relays(config.relays, address, folder)
         began = time.time()
-        for command in client_commands(n, config, [a for _, a in relays] or [address]):
+        for command in client_commands(n, config, address, [a for _, a in relays]):
             clients.append(subprocess.Popen(command, stdin=subprocess.PIPE,
                                             stdout=subprocess.PIPE, text=True))
         for client in clients:
@@ -317,6 +339,10 @@ def measure(n: int, config: ScaleConfig, progress: Callable[[str], None]) -> dic
         "death_to_first_plan_p50_s": round(percentile(firsts, 50), 5) if firsts else None,
         "death_to_last_plan_p50_s": round(percentile(lasts, 50), 5) if lasts else None,
         "death_to_last_plan_p99_s": round(percentile(lasts, 99), 5) if lasts else None,
+        "death_to_last_plan_by_kind": {kind: {
+            "p50_s": round(percentile(times, 50), 5), "p99_s": round(percentile(times, 99), 5)}
+            for kind in ("racks", "agents") if (times := [
+                r["last_by_kind_s"][kind] for r in reacted if kind in r["last_by_kind_s"]])},
         "generation_after_death": status.generation,
         "agents_alive_after_death": status.agents, "heartbeats": sum(o["heartbeats"]
                                                                       for o in outputs),

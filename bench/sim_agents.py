@@ -165,7 +165,7 @@ async def main_async(address: str, first: int, count: int, period_s: float) -> d
             "register_rtt_s": [a.register_rtt_s for a in agents],
             "generations": [{str(g): t for g, t in a.generations.items()} for a in agents],
             "replicas": [a.replica for a in agents],
-            "heartbeats": sum(a.heartbeats for a in agents),
+            "heartbeats": sum(a.heartbeats for a in agents), "kind": "agents",
             "errors": [a.error for a in agents if a.error],
             "retries": [why for a in agents for why in a.retries]}
 

@@ -171,7 +171,7 @@ async def main_async(address: str, first: int, count: int, racks: int) -> dict[s
             "generations": [{str(g): t for g, t in rack.generations.get(a, {}).items()}
                             for rack, a in agents],
             "replicas": [rack.replica.get(a, -1) for rack, a in agents],
-            "heartbeats": 0, "racks": len(rack_list),
+            "heartbeats": 0, "racks": len(rack_list), "kind": "racks",
             "errors": [rack.error for rack in rack_list if rack.error],
             "retries": []}
 

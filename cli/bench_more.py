@@ -101,9 +101,10 @@ def add_parsers(kinds: Any) -> None:
                      help="agents reach the controller through this many relays (`recover "
                           "relay`, one per rack; 0: directly, the default)")
     ctl.add_argument("--sim-racks", type=int, default=0, metavar="K",
-                     help="simulate K racks instead: streams speaking the relay protocol for "
-                          "their agents, so the leader is measured at sizes whose agents and "
-                          "relays this machine cannot host (not with --relays)")
+                     help="simulate K racks: streams speaking the relay protocol for their "
+                          "agents, so the leader is measured at sizes whose agents and relays "
+                          "this machine cannot host; with --relays R, R real relays carry 250 "
+                          "real agents' sessions each and the racks the rest")
     ctl.add_argument("--kills", type=int, default=1,
                      help="agents killed one after another, each reaction timed (default 1)")
 
@@ -174,12 +175,11 @@ def _controller(args: argparse.Namespace) -> int:
     if not args.sim_racks and max(args.agents) > MAX_AGENT_CLIENTS:
         raise UsageError(f"--agents: at most {MAX_AGENT_CLIENTS} agents with sessions of their "
                          f"own, got {max(args.agents)}; larger counts with --sim-racks")
-    if args.sim_racks and args.relays:
-        raise UsageError("--sim-racks simulates the relays' streams; it cannot be used with "
-                         "--relays")
-    if args.sim_racks and min(args.agents) < args.sim_racks:
-        raise UsageError(f"--sim-racks {args.sim_racks}: every agent count must be at least "
-                         f"the racks, got {min(args.agents)}")
+    behind_relays = args.relays * controller_scale.AGENTS_PER_PROCESS if args.sim_racks else 0
+    if args.sim_racks and min(args.agents) < args.sim_racks + behind_relays:
+        raise UsageError(f"--sim-racks {args.sim_racks}: every agent count must be at least the "
+                         f"racks{f' and the {behind_relays} agents of the relays' if behind_relays else ''}"
+                         f", got {min(args.agents)}")
     if not 1 <= args.kills <= 1000:
         raise UsageError(f"--kills must be 1..1000, got {args.kills}")
     if args.kills >= min(args.agents):

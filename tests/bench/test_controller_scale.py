@@ -46,6 +46,9 @@ def test_sim_agents_against_a_real_controller(tmp_path, capsys, relays, sim_rack
     assert row["death_to_last_plan_p99_s"] is not None and row["controller_cpu_fraction"] >= 0
     assert row["relays"] == relays and row["relays_cpu_fraction"] >= 0  # ticks of 10 ms: maybe 0
     assert row["sim_racks"] == sim_racks
+    # Once the job ran, the leader froze its start's objects (full collections then skip them).
+    assert "objects of its start frozen for the garbage collector" in (
+        tmp_path / "n4" / "controller.log").read_text()
 
 
 def test_fit_and_split():
@@ -64,8 +67,8 @@ def test_plan_receipts_ignore_generations_from_the_teardown():
 
 def test_each_kill_is_timed_against_the_generation_that_answered_it():
     # Two clients, three kills: kill 0 and 2 went to client 0, kill 1 to client 1.
-    outputs = [{"kills_at": [10.0, 14.0], "generations": [{"1": 1.0, "2": 10.02, "3": 12.01,
-                                                            "4": 14.05}]},
+    outputs = [{"kind": "racks", "kills_at": [10.0, 14.0],
+                "generations": [{"1": 1.0, "2": 10.02, "3": 12.01, "4": 14.05}]},
                {"kills_at": [12.0], "generations": [{"1": 1.0, "2": 10.03, "3": 12.02},
                                                     {"1": 1.0, "2": 10.01}]}]
     rows = reactions(outputs, [2, 3, 4])
@@ -73,31 +76,40 @@ def test_each_kill_is_timed_against_the_generation_that_answered_it():
     assert [(r["first_s"], r["last_s"]) for r in rows] == [
         (pytest.approx(0.01), pytest.approx(0.03)), (pytest.approx(0.01), pytest.approx(0.02)),
         (pytest.approx(0.05), pytest.approx(0.05))]
+    assert [r["last_by_kind_s"] for r in rows] == [
+        {"racks": pytest.approx(0.02), "agents": pytest.approx(0.03)},
+        {"racks": pytest.approx(0.01), "agents": pytest.approx(0.02)},
+        {"racks": pytest.approx(0.05)}]
     # A client with no live agent left to kill: that kill is skipped, not misattributed.
     assert len(reactions([{"kills_at": [], "generations": []}], [2])) == 0
 
 
 def test_simulated_racks_split_the_agents_and_the_racks_over_a_few_processes():
     config = ScaleConfig(agents=[12_500], duration_s=3, out=Path("."), sim_racks=50)
-    commands = client_commands(12_500, config, ["127.0.0.1:1"])
+    commands = client_commands(12_500, config, "127.0.0.1:1", [])
     assert len(commands) == RACK_PROCESSES
     counts = [int(c[-3]) for c in commands]
     racks = [int(c[-1]) for c in commands]
     assert sum(counts) == 12_500 and sum(racks) == 50 and max(racks) - min(racks) <= 1
     assert all(c[2] == "recover.bench.sim_racks" for c in commands)
-    direct = client_commands(600, ScaleConfig(agents=[600], duration_s=3, out=Path(".")),
-                             ["r0", "r1"])
-    assert [c[3] for c in direct] == ["r0", "r1", "r0"]  # relays round robin, 250 each
+    relayed = client_commands(600, ScaleConfig(agents=[600], duration_s=3, out=Path(".")),
+                              "leader", ["r0", "r1"])
+    assert [c[3] for c in relayed] == ["r0", "r1", "r0"]  # relays round robin, 250 each
+    both = client_commands(3000, config, "leader", ["r0", "r1"])  # 50 racks and 2 real relays
+    assert [(c[2], c[3], c[4], c[5]) for c in both[-2:]] == [
+        ("recover.bench.sim_agents", "r0", "2500", "250"),
+        ("recover.bench.sim_agents", "r1", "2750", "250")]
+    assert sum(int(c[-3]) for c in both[:-2]) == 2500 and sum(int(c[-1]) for c in both[:-2]) == 50
     few = client_commands(5, ScaleConfig(agents=[5], duration_s=3, out=Path("."), sim_racks=4),
-                          ["127.0.0.1:1"])
+                          "127.0.0.1:1", [])
     assert [(int(c[-3]), int(c[-1])) for c in few] == [(2, 1), (1, 1), (1, 1), (1, 1)]
 
 
 @pytest.mark.parametrize(("argv", "phrase"), [
     (["--agents", "12500"], "at most 5000 agents with sessions of their own, got 12500; "
                             "larger counts with --sim-racks"),
-    (["--agents", "100", "--sim-racks", "2", "--relays", "1"],
-     "--sim-racks simulates the relays' streams; it cannot be used with --relays"),
+    (["--agents", "251", "--sim-racks", "2", "--relays", "1"],
+     "every agent count must be at least the racks and the 250 agents of the relays, got 251"),
     (["--agents", "3", "--sim-racks", "4"], "every agent count must be at least the racks, got 3"),
     (["--agents", "3", "--kills", "3"], "--kills 3 must leave a survivor of the smallest count"),
     (["--agents", "3", "--kills", "0"], "--kills must be 1..1000, got 0"),
