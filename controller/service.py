@@ -129,24 +129,15 @@ class AgentSessions(rpc.AgentSessionServicer):
             self.send(agent_id, beat)
 
     def send(self, agent_id: str, message: pb.ControllerMessage) -> None:
+        self.send_all((agent_id,), message)
+
+    def send_all(self, agent_ids: tuple[str, ...], message: pb.ControllerMessage) -> None:
+        """`message` to each of `agent_ids`, the lease checked once for all (at 12,500 agents a
+        plan's broadcast is on a loss's critical path: BENCHMARKS.md 5)."""
         election = self.election
         if election is None or not election.holds():
             # Never act on a lease that may be gone (we were stopped, or cut off):
             # whatever we meant to say may contradict the new leader.
-            self.deposed.set()
-            self.refused_sends += 1
-            return
-        message.term = election.term
-        queue = self._queues.get(agent_id)
-        if queue is not None:
-            queue.put_nowait(message)
-            self._last_sent[agent_id] = time.monotonic()
-
-    def send_all(self, agent_ids: tuple[str, ...], message: pb.ControllerMessage) -> None:
-        """`send` to each of `agent_ids`, the lease checked once: at 12,500 agents a plan's
-        broadcast is on a loss's critical path (BENCHMARKS.md 5)."""
-        election = self.election
-        if election is None or not election.holds():
             self.deposed.set()
             self.refused_sends += len(agent_ids)
             return
