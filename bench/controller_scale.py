@@ -184,23 +184,29 @@ def client_commands(n: int, config: ScaleConfig, leader: str, relays: list[str]
                        for i, relay in enumerate(relays)]
 
 
-def reactions(outputs: list[dict[str, Any]], generations: list[int]) -> list[dict[str, Any]]:
+def reactions(outputs: list[dict[str, Any]], generations: list[int | None]
+              ) -> list[dict[str, Any]]:
     """Each kill's reaction (pure): kill `i` went to client `i % len(outputs)` (its own
-    `i // len(outputs)`-th kill) and was answered by generation `generations[i]`; the time from
-    it to the first and the last survivor holding a plan made after it, and the last of each
-    kind of client (`racks`: as the leader's stream delivered it to a simulated rack;
-    `agents`: as the agent's own session, direct or through a real relay, did)."""
-    rows = []
+    `i // len(outputs)`-th kill, None if it had no live agent left) and was answered by
+    generation `generations[i]` (None: not answered in time, a row of its own, never left out);
+    the time from it to the first and the last survivor holding a plan made after it, and the
+    last of each kind of client (`racks`: as the leader's stream delivered it to a simulated
+    rack; `agents`: as the agent's own session, direct or through a real relay, did)."""
+    rows: list[dict[str, Any]] = []
+    before = 1
     for i, newest in enumerate(generations):
         kills = outputs[i % len(outputs)]["kills_at"]
-        if i // len(outputs) >= len(kills):
+        killed_at = kills[i // len(outputs)] if i // len(outputs) < len(kills) else None
+        if killed_at is None:
             continue  # that client had no live agent left to kill
-        killed_at = kills[i // len(outputs)]
+        if newest is None:
+            rows.append({"first_s": None, "last_s": None, "last_by_kind_s": {},
+                         "survivors": 0, "generation": None, "unanswered": True})
+            continue
         last_by_kind: dict[str, float] = {}
         received = []
         for out in outputs:
-            after = plan_receipts(out["generations"], killed_at, newest,
-                                  generations[i - 1] if i else 1)
+            after = plan_receipts(out["generations"], killed_at, newest, before)
             received += after
             if after:
                 kind = out.get("kind", "agents")
@@ -211,6 +217,7 @@ def reactions(outputs: list[dict[str, Any]], generations: list[int]) -> list[dic
                      "last_s": round(received[-1] - killed_at, 5) if received else None,
                      "last_by_kind_s": last_by_kind,
                      "survivors": len(received), "generation": newest})
+        before = newest
     return rows
 
 
@@ -224,6 +231,8 @@ def _generations(stub: Any, seen: int, newest: int = 0) -> tuple[int, int]:
     return max([newest, *made]), events[-1].seq if events else seen
 
 
+ANSWER_BOUND_S = 10.0
+"""A kill the leader has not answered with a new generation within this is counted unanswered."""
 NOTHING_NEW = 2**62
 """An event sequence number past any log: the probe's `Events` call returns nothing."""
 
@@ -281,15 +290,21 @@ def measure(n: int, config: ScaleConfig, progress: Callable[[str], None]) -> dic
         cpu1, t1 = cpu_seconds(controller.pid), time.time()
         relay_cpu1 = sum(cpu_seconds(proc.pid) for proc, _ in relays)
         generation, seen = _generations(stub, seen, generation)
-        answered = []  # each kill's generation, once the leader has had time to answer it
+        answered: list[int | None] = []  # each kill's generation (None: none within the bound)
         for i in range(config.kills):
             victim = clients[i % len(clients)]
             assert victim.stdin is not None
+            previous, sent = generation, time.time()
             victim.stdin.write("kill\n")
             victim.stdin.flush()
-            time.sleep(config.kill_every_s)  # the new generation, then let late receipts land
-            generation, seen = _generations(stub, seen, generation)
-            answered.append(generation)
+            time.sleep(config.kill_every_s / 2)  # answered well within this, as a rule
+            while True:  # else waited for (never taken for the next kill's answer)
+                generation, seen = _generations(stub, seen, generation)
+                if generation != previous or time.time() - sent > ANSWER_BOUND_S:
+                    break
+                time.sleep(0.05)
+            answered.append(generation if generation != previous else None)
+            time.sleep(max(0.0, sent + config.kill_every_s - time.time()))  # late receipts land
         time.sleep(1.0)
         status = stub.Status(pb.StatusRequest(), timeout=10)
         outputs = []
@@ -331,6 +346,7 @@ def measure(n: int, config: ScaleConfig, progress: Callable[[str], None]) -> dic
         "probe_rtt_p99_s": round(percentile(rtts, 99), 5) if rtts else None,
         "probes": len(rtts),
         "agents_alive_in_window": agents_seen,
+        "unanswered_kills": sum(1 for r in reacted if r.get("unanswered")),
         "death_to_first_plan_s": reacted[0]["first_s"] if reacted else None,
         "death_to_last_plan_s": reacted[0]["last_s"] if reacted else None,
         "survivors_with_new_plan": reacted[0]["survivors"] if reacted else 0,
@@ -383,6 +399,13 @@ def run(config: ScaleConfig, progress: Callable[[str], None]) -> dict[str, Any]:
                 r["controller_cpu_ms_per_agent_s"] for r in ok), 4) if ok else None}
 
 
+def answered_of(row: dict[str, Any]) -> str:
+    """Kills answered, and of how many if some were not (pure)."""
+    kills = row.get("kills", [])
+    unanswered = sum(1 for k in kills if k.get("unanswered"))
+    return f"{len(kills) - unanswered}/{len(kills)}" if unanswered else str(len(kills))
+
+
 def format_table(results: dict[str, Any]) -> str:
     def ms(seconds: float | None) -> str:
         return "-" if seconds is None else f"{seconds * 1000:.1f}ms"
@@ -398,7 +421,7 @@ def format_table(results: dict[str, Any]) -> str:
         lines.append(
             f"{r['agents']:>6} {r['all_up_s']:>6.1f} {r['controller_cpu_fraction'] * 100:>6.1f} "
             f"{ms(r['register_rtt_p99_s']):>9} {ms(r['probe_rtt_p50_s']):>10} "
-            f"{ms(r['probe_rtt_p99_s']):>8} {len(r.get('kills', [])):>5} "
+            f"{ms(r['probe_rtt_p99_s']):>8} {answered_of(r):>5} "
             f"{ms(r.get('death_to_first_plan_p50_s')):>21} "
             f"{ms(r.get('death_to_last_plan_p50_s')):>9} "
             f"{ms(r.get('death_to_last_plan_p99_s')):>9} {lost:>5}")

@@ -143,12 +143,13 @@ async def main_async(address: str, first: int, count: int, period_s: float) -> d
               f"{failed[0].error or 'session ended'}", flush=True)
 
     announcer = asyncio.create_task(announce())
-    kills_at: list[float] = []
+    kills_at: list[float | None] = []  # None: no live agent left to kill
     victims: list[int] = []
     while (await reader.readline()).strip() == b"kill":
         victim = next((i for i, a in enumerate(agents) if a.up.is_set() and not a.closing.is_set()),
                       None)
         if victim is None:
+            kills_at.append(None)
             continue
         kills_at.append(time.time())
         victims.append(agents[victim].replica)

@@ -145,15 +145,19 @@ async def main_async(address: str, first: int, count: int, racks: int) -> dict[s
               f"{failed[0].error or 'stream ended'}", flush=True)
 
     announcer = asyncio.create_task(announce())
-    killed_at: list[float] = []
+    killed_at: list[float | None] = []
     victims: list[int] = []
     turn = 0
     while (await reader.readline()).strip() == b"kill":
-        rack = rack_list[turn % len(rack_list)]
-        turn += 1
-        victim = rack.next_victim()
-        if victim is None:
+        # The next rack with a live agent, in turn; none left: the kill is noted as not made
+        # (None), so that the driver's count of this process's kills stays in step.
+        found = next(((rack, victim) for rack in rack_list[turn:] + rack_list[:turn]
+                      if (victim := rack.next_victim()) is not None), None)
+        turn = (turn + 1) % len(rack_list)
+        if found is None:
+            killed_at.append(None)
             continue
+        rack, victim = found
         killed_at.append(time.time())
         victims.append(rack.replica[victim])
         rack.ended[victim] = "killed"

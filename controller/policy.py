@@ -95,6 +95,9 @@ def reassign_lost(
     if unknown:
         raise PolicyError(f"survivors {unknown} have no assignment in the current plan")
     members = [*survivors, *spares]
+    if len(set(members)) != len(members):
+        raise PolicyError(f"survivors {list(survivors)} and spares {list(spares)} must be "
+                          "distinct replicas")
     orphaned = sorted(mb for r in lost for mb in current.get(r, ()))
     gains: dict[int, list[int]] = {}
     spare_set = set(spares)

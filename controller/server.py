@@ -269,12 +269,14 @@ async def _serve_term(config: ControllerConfig, coordinator: Coordinator,
             await asyncio.sleep(0.25)
             if not frozen and coordinator.state is JobState.RUNNING:
                 # The job's state as it starts (a view of every agent and replica, their
-                # sessions) lives as long as the job and holds no garbage cycles: left to the
-                # collector, a full collection walked all of it (~50 ms at 12,500 agents, in
-                # the middle of a loss's reaction) to free nothing (BENCHMARKS.md 5). Frozen,
-                # collections walk only what came later. What it costs: cyclic garbage among
-                # these objects (a start-time agent's session once it ends) is never freed,
-                # at most once per agent of the start.
+                # sessions) lives as long as the term: left to the collector, a full
+                # collection walked all of it (~50 ms at 12,500 agents, in the middle of a
+                # loss's reaction) to free nothing (BENCHMARKS.md 5). Frozen, collections
+                # walk only what came later. What it costs: cyclic garbage among these
+                # objects (a start-time agent's session once it ends) waits for the term's
+                # end (unfrozen then), at most once per agent of the start. Collected first,
+                # so that no garbage of the start-up is frozen with them.
+                gc.collect()
                 gc.freeze()
                 frozen = True
                 log.info("job running: %d objects of its start frozen for the garbage "
@@ -314,3 +316,5 @@ async def _serve_term(config: ControllerConfig, coordinator: Coordinator,
     finally:
         for task in tasks:
             task.cancel()
+        if frozen:  # this term's coordinator (a cycle) must be collectable once it is gone
+            gc.unfreeze()

@@ -12,6 +12,7 @@ from recover.bench.controller_scale import (
     RACK_PROCESSES,
     ScaleConfig,
     agents_per_core,
+    answered_of,
     client_commands,
     cpu_fit,
     plan_receipts,
@@ -82,6 +83,18 @@ def test_each_kill_is_timed_against_the_generation_that_answered_it():
         {"racks": pytest.approx(0.05)}]
     # A client with no live agent left to kill: that kill is skipped, not misattributed.
     assert len(reactions([{"kills_at": [], "generations": []}], [2])) == 0
+    # One with none at its turn (None) keeps the later kills on their own times; a kill not
+    # answered in time is a row of its own, and the next kill counts from the last answer.
+    outputs = [{"kills_at": [10.0, None, 14.0],
+                "generations": [{"1": 1.0, "2": 10.02, "3": 12.5, "4": 14.03}]}]
+    rows = reactions(outputs, [2, None, 4])
+    assert [(r["generation"], r.get("unanswered", False)) for r in rows] == [(2, False), (4, False)]
+    rows = reactions([{"kills_at": [10.0, 12.0, 14.0],
+                       "generations": [{"1": 1.0, "2": 10.02, "3": 14.04}]}], [2, None, 3])
+    assert [r["generation"] for r in rows] == [2, None, 3]
+    assert rows[1]["unanswered"] and rows[1]["last_s"] is None
+    assert rows[2]["first_s"] == pytest.approx(0.04)
+    assert answered_of({"kills": rows}) == "2/3" and answered_of({"kills": rows[:1]}) == "1"
 
 
 def test_simulated_racks_split_the_agents_and_the_racks_over_a_few_processes():

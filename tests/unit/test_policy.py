@@ -204,17 +204,23 @@ def test_reassign_lost_to_spares(current, lost, survivors, spares, expected, rea
 
 
 @pytest.mark.parametrize(
-    ("current", "lost", "survivors", "reason"),
+    ("current", "lost", "survivors", "spares", "reason"),
     [
-        pytest.param(UNIFORM_4x8, [2, 0, 1, 3], [], "replicas [0, 1, 2, 3] lost and no survivor left",
-                     id="no-survivor"),
-        pytest.param({0: (0, 1), 1: (2, 3)}, [1], [0, 4], "survivors [4] have no assignment",
+        pytest.param(UNIFORM_4x8, [2, 0, 1, 3], [], (),
+                     "replicas [0, 1, 2, 3] lost and no survivor left", id="no-survivor"),
+        pytest.param({0: (0, 1), 1: (2, 3)}, [1], [0, 4], (), "survivors [4] have no assignment",
                      id="survivor-unknown-to-plan"),
+        pytest.param({0: (0,), 1: (1,), 2: (2,)}, [2], [0, 1, 0], (),
+                     "survivors [0, 1, 0] and spares [] must be distinct replicas",
+                     id="survivor-twice"),
+        pytest.param({0: (0,), 1: (1,), 2: (2,)}, [2], [0, 1], [1],
+                     "survivors [0, 1] and spares [1] must be distinct replicas",
+                     id="spare-also-survivor"),
     ],
 )
-def test_reassign_lost_rejects(current, lost, survivors, reason):
+def test_reassign_lost_rejects(current, lost, survivors, spares, reason):
     with pytest.raises(PolicyError) as info:
-        reassign_lost(current, lost, survivors)
+        reassign_lost(current, lost, survivors, spares)
     assert reason in str(info.value)
 
 
