@@ -164,7 +164,7 @@ def _recovery(args: argparse.Namespace) -> int:
 
 
 def _controller(args: argparse.Namespace) -> int:
-    from recover.bench import controller_scale
+    from recover.bench import controller_scale, scale_results
 
     if not 3 <= args.duration <= 600:
         raise UsageError(f"--duration must be 3..600 seconds, got {args.duration}")
@@ -190,7 +190,7 @@ def _controller(args: argparse.Namespace) -> int:
         agents=args.agents, duration_s=args.duration, out=out, relays=args.relays,
         sim_racks=args.sim_racks, kills=args.kills), say)
     _write(out, results)
-    print(controller_scale.format_table(results))
+    print(scale_results.format_table(results))
     print(f"results: {out / 'results.json'}")
     return 0
 

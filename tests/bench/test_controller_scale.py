@@ -8,15 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from recover.bench.controller_scale import (
-    RACK_PROCESSES,
-    ScaleConfig,
+from recover.bench.controller_scale import RACK_PROCESSES, ScaleConfig, client_commands, process_split
+from recover.bench.scale_results import (
     agents_per_core,
     answered_of,
-    client_commands,
     cpu_fit,
     plan_receipts,
-    process_split,
     reactions,
 )
 from recover.cli.main import main
