@@ -45,11 +45,12 @@ def run_recover(out: Path, job_args: list[str], schedule: Schedule | None = None
     ([[seconds since launch, step]]), end_s (last commit, seconds since launch),
     poll_s: how often the controller is asked for status and events (each poll costs it
     CPU on the job's cores: benchmarks that need no timely kills poll rarely),
-    events ([{at, kind, step, generation, replica}], Unix times, as polled from the
-    controller during the run: the last few before it exits may be missing).
+    events ([{at, kind, step, generation, replica}], Unix times: every event of the job,
+    from the launcher's OUT/events.jsonl; the polls here only learn PIDs for the kills).
     """
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").unlink(missing_ok=True)
+    (out / "events.jsonl").unlink(missing_ok=True)
     port_file = out / "controller.port"
     port_file.unlink(missing_ok=True)
     launched = time.time()
@@ -66,7 +67,6 @@ def run_recover(out: Path, job_args: list[str], schedule: Schedule | None = None
     pids: dict[int, int] = {}
     kills: list[dict[str, Any]] = []
     returned: list[dict[str, Any]] = []
-    events: list[dict[str, Any]] = []
     first_commit: float | None = None
     channel = stub = None
     after, last_shown = 0, 0.0
@@ -85,8 +85,6 @@ def run_recover(out: Path, job_args: list[str], schedule: Schedule | None = None
             try:
                 for event in stub.Events(pb.EventsRequest(after_seq=after), timeout=2).events:
                     after = event.seq
-                    events.append({"at": event.at, "kind": event.kind, "step": event.step,
-                                   "generation": event.generation, "replica": event.replica})
                     if event.kind == "replica-ready" and (m := PID.search(event.message)):
                         pids[event.replica] = int(m.group(1))
                     if event.kind == "agent-registered" and (
@@ -150,10 +148,17 @@ def run_recover(out: Path, job_args: list[str], schedule: Schedule | None = None
     offset = summary["started_at"] - launched
     times = [offset + t for t in summary["committed_at_s_per_step"]]
     summary.update(mode="recover", launched_at=launched, kills=kills, returns=returned,
-                   events=events,
+                   events=_job_events(out),
                    commit_timeline=[[round(t, 4), step] for step, t in enumerate(times)],
                    end_s=round(times[-1], 4) if times else None)
     return summary
+
+
+def _job_events(out: Path) -> list[dict[str, Any]]:
+    """The job's events as the launcher wrote them, each {at, kind, step, generation, replica}."""
+    keys = ("at", "kind", "step", "generation", "replica")
+    with open(out / "events.jsonl") as lines:
+        return [{key: event[key] for key in keys} for event in map(json.loads, lines)]
 
 
 def _start_agent(out: Path, port: str, agent_id: str) -> subprocess.Popen[bytes]:

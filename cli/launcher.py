@@ -13,12 +13,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
 import grpc
 
-from recover.cli.inspect import format_event, format_load
+from recover.cli.inspect import format_event, format_load, to_json
 from recover.cli.jobargs import UsageError, job_from_args
 from recover.cli.localtls import LocalTLS, local_tls
 from recover.cli.preflight import check_checkpoint_folder, check_command, check_out, check_store
@@ -272,7 +273,9 @@ def run_local(args: argparse.Namespace) -> int:
         print(f"recover run: job {job_config.job_id}, {job_config.replicas} replicas on {agents} "
               f"agents, controller{'s' if len(addresses) > 1 else ''} {address}, logs in "
               f"{job.logs}", file=sys.stderr)
-        report = _watch(job, addresses, progress, tls.security("launcher") if tls else None)
+        with open(out / "events.jsonl", "w") as events:
+            report = _watch(job, addresses, progress, tls.security("launcher") if tls else None,
+                            lambda event: print(to_json(event), file=events, flush=True))
         summary = build_summary(report, time.monotonic() - started)
         if endpoints:
             summary["metrics"] = endpoints
@@ -357,8 +360,12 @@ def _print_user_traceback(summary: dict[str, object]) -> None:
 
 
 def _watch(job: LocalJob, addresses: list[str], progress: Progress,
-           security: Security | None) -> pb.RunReport:
-    """Follow the job through the leading controller, to the new one after a failover."""
+           security: Security | None, record: Callable[[pb.Event], None]) -> pb.RunReport:
+    """Follow the job through the leading controller, to the new one after a failover.
+
+    Every event goes to `record` once, in order, all of them by the time this returns (the
+    status is asked first, so the events fetched with the terminal one include the end).
+    """
     controllers = [n for n in job.processes if n.startswith("controller")]
     after = 0
     channel = None
@@ -381,6 +388,7 @@ def _watch(job: LocalJob, addresses: list[str], progress: Progress,
                     raise _NotLeader
                 for event in stub.Events(pb.EventsRequest(after_seq=after), timeout=5).events:
                     progress.event(event)
+                    record(event)
                     after = event.seq
             except (grpc.RpcError, _NotLeader):
                 channel.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -81,6 +82,13 @@ def test_a_kill_in_each_phase_of_a_step(tmp_path: Path, reference: dict[str, Any
     assert summary["live_replicas"] == [0]
     # One generation per loss: after the last, replica 0 alone carries all M microbatches.
     assert summary["generation_per_step"][-1] == 1 + len(PHASE_KILLS)
+    # OUT/events.jsonl: every event of the job, the end included (recover bench recovery
+    # splits recoveries with it; polled events alone lost a short job's last ones).
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+    assert events[-1]["kind"] == "succeeded"
+    assert [e["generation"] for e in events if e["kind"] == "generation"] == \
+        list(range(1, 2 + len(PHASE_KILLS)))
 
 
 def test_two_lost_at_once_and_failures_during_recovery(tmp_path: Path,
@@ -136,10 +144,7 @@ def test_external_kill_minus_nine(tmp_path: Path, reference: dict[str, Any]) -> 
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, stderr
-    summary = (tmp_path / "summary.json").read_text()
-    import json
-
-    summary = json.loads(summary)
+    summary = json.loads((tmp_path / "summary.json").read_text())
     [failure] = summary["failures"]
     assert failure["replica"] == 2 and failure["cause"] == "external"
     assert failure["recovered_s"] is not None
