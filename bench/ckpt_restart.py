@@ -45,7 +45,7 @@ class CkptRestartConfig:
     """The same job ReCoVer runs: the built-in reference GPT (its command carries the model,
     data, microbatch size and lr), M, seed, compute_ms."""
     out: Path
-    """Where events.jsonl, checkpoint.pt, logs/ and summary.json go."""
+    """Where worker-events.jsonl, checkpoint.pt, logs/ and summary.json go."""
     policy: CheckpointPolicy = field(default_factory=CheckpointPolicy)
     """When rank 0 writes a checkpoint."""
     schedule: Schedule | None = None
@@ -72,7 +72,7 @@ class Supervisor:
         # Checked here, before any worker starts: a baseline can only run the reference GPT.
         self.workload = reference_config(config.job, "the ckpt-restart baseline")
         self.out = config.out
-        self.events_path = self.out / "events.jsonl"
+        self.events_path = self.out / "worker-events.jsonl"  # the workers tell the supervisor
         self.ckpt_path = self.out / "checkpoint.pt"
         self.alive: set[int] = set(range(config.job.replicas))
         self.returns: dict[int, float] = {}  # slot -> absolute time it is usable again

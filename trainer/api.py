@@ -292,8 +292,7 @@ def train(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
         executor.lockstep = lockstep
         if proto.resume.path:
             executor.resume = proto.resume  # loaded at the first generation, if no donor's first
-        if lockstep is None:  # a replica of several ranks is never sent nor checkpointed (yet)
-            _check_state_travels(executor)
+        _check_state_travels(executor)  # each rank its own part (a shard travels as such)
         wanted = proto.check_determinism if check_determinism is None else check_determinism
         if not wanted and check_determinism is None and not proto.skip_batch_check:
             check_batch(workload)  # fast mode: the same microbatches, if not the same bits

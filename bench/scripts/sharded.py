@@ -66,11 +66,11 @@ def kills(replicas: int, ranks: int, round_: int) -> list[str]:
 
 def run_job(out: Path, replicas: int, ranks: int, faults: list[str],
             example: str = "hsdp", spanning: bool = False, reduce: str = "fast",
-            ) -> dict[str, Any] | None:
+            steps: int = STEPS) -> dict[str, Any] | None:
     args = [sys.executable, "-m", "recover.cli.main", "run", "--out", str(out), "--quiet",
             "--replicas", str(replicas), "--ranks-per-replica", str(ranks), "--reduce", reduce,
             *(["--agents", str(replicas * ranks)] if spanning else []),
-            "--steps", str(STEPS), "-M", "8", "--compute-ms", "20", "--max-restarts", "0",
+            "--steps", str(steps), "-M", "8", "--compute-ms", "20", "--max-restarts", "0",
             *[part for fault in faults for part in ("--kill", fault)],
             "--", "python", str(REPO / "examples" / f"{example}.py")]
     done = subprocess.run(args, capture_output=True, text=True, timeout=300)
@@ -80,11 +80,12 @@ def run_job(out: Path, replicas: int, ranks: int, faults: list[str],
     return json.loads((out / "summary.json").read_text())
 
 
-def baseline_step(replicas: int, ranks: int, example: str = "hsdp") -> float | None:
+def baseline_step(replicas: int, ranks: int, example: str = "hsdp",
+                  steps: int = STEPS) -> float | None:
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone",
             "--nproc-per-node", str(replicas * ranks), str(REPO / "bench" / "scripts" /
                                                           f"{example}_baseline.py"),
-            "--ranks", str(ranks), "--steps", str(STEPS), "-M", "8", "--compute-ms", "20"]
+            "--ranks", str(ranks), "--steps", str(steps), "-M", "8", "--compute-ms", "20"]
     done = subprocess.run(args, capture_output=True, text=True, timeout=300)
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("{")), None)
     if done.returncode != 0 or line is None:
@@ -118,6 +119,9 @@ def main() -> int:
     parser.add_argument("--exact-cost", action="store_true",
                         help="no kills: 2x2 and 4x2 failure-free in fast and exact mode and "
                              "plain torch's, side by side")
+    parser.add_argument("--steps", type=int, default=STEPS,
+                        help="steps per job with --exact-cost (default %(default)s; more "
+                             "steps, a steadier median)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.exact_cost:
@@ -176,33 +180,52 @@ def exact_cost(args: argparse.Namespace) -> int:
     """The failure-free step of each sharded layout in fast mode, exact mode and plain torch,
     interleaved within each round (the order rotating), so load drifts hit all three."""
     layouts, modes = [(2, 2), (4, 2)], ["fast", "exact", "torch"]
-    steps: dict[str, dict[str, list[float]]] = {f"{r}x{k}": {m: [] for m in modes}
-                                                for r, k in layouts}
+    steps: dict[str, dict[str, list[float | None]]] = {f"{r}x{k}": {m: [] for m in modes}
+                                                       for r, k in layouts}
     for round_ in range(args.rounds):
         for replicas, ranks in layouts:
             name = f"{replicas}x{ranks}"
             for mode in modes[round_ % 3:] + modes[:round_ % 3]:
                 print(f"round {round_}: {name} {mode}", flush=True)
                 if mode == "torch":
-                    step = baseline_step(replicas, ranks, args.example)
+                    step = baseline_step(replicas, ranks, args.example, args.steps)
                 else:
                     ref = run_job(args.out / f"{name}-{mode}-r{round_}", replicas, ranks, [],
-                                  args.example, reduce=mode)
+                                  args.example, reduce=mode, steps=args.steps)
                     step = step_time(ref) if ref is not None else None
-                if step is not None:
-                    steps[name][mode].append(step)
-    medians = {name: {m: round(statistics.median(v), 4) if v else None
+                steps[name][mode].append(step)  # None: failed (said above), kept in place
+    medians = {name: {m: round(statistics.median(known), 4)
+                      if (known := [x for x in v if x is not None]) else None
                       for m, v in by_mode.items()} for name, by_mode in steps.items()}
+    # Per round, each ratio of two runs of the same round (None where one failed): their
+    # spread says what one round's noise is.
+    per_round = {name: {pair: round_ratios(by_mode, *pair.split("/"))
+                        for pair in ("exact/fast", "fast/torch", "exact/torch")}
+                 for name, by_mode in steps.items()}
     (args.out / "results.json").write_text(json.dumps(
         {"environment": environment(), "rounds": args.rounds, "example": args.example,
-         "step_s": steps, "step_s_median": medians}, indent=1))
+         "steps": args.steps, "step_s": steps, "step_s_median": medians,
+         "ratio_per_round": per_round}, indent=1))
     print("| layout | fast | exact | torch | exact / fast | fast / torch | exact / torch |")
     print("|---|---|---|---|---|---|---|")
     for name, m in medians.items():
+        spread = {pair: spread_of(values) for pair, values in per_round[name].items()}
         print(f"| {name} | {m['fast']} s | {m['exact']} s | {m['torch']} s | "
-              f"{ratio(m['exact'], m['fast'])} | {ratio(m['fast'], m['torch'])} | "
-              f"{ratio(m['exact'], m['torch'])} |")
+              f"{ratio(m['exact'], m['fast'])} {spread['exact/fast']} | "
+              f"{ratio(m['fast'], m['torch'])} {spread['fast/torch']} | "
+              f"{ratio(m['exact'], m['torch'])} {spread['exact/torch']} |")
     return 0
+
+
+def round_ratios(by_mode: dict[str, list[float | None]], a: str, b: str) -> list[float | None]:
+    return [round(x / y, 4) if x and y else None
+            for x, y in zip(by_mode[a], by_mode[b], strict=True)]
+
+
+def spread_of(values: list[float | None]) -> str:
+    known = [v for v in values if v is not None]
+    return f"({min(known):.2f}-{max(known):.2f}, median {statistics.median(known):.3f})" \
+        if known else ""
 
 
 def ratio(a: float | None, b: float | None) -> str:
