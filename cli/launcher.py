@@ -19,11 +19,12 @@ from typing import IO
 
 import grpc
 
-from recover.cli.inspect import format_event, format_load, to_json
+from recover.cli.inspect import to_json
 from recover.cli.jobargs import UsageError, job_from_args
 from recover.cli.localtls import LocalTLS, local_tls
 from recover.cli.preflight import check_checkpoint_folder, check_command, check_out, check_store
 from recover.cli.scrape import TARGETS_FILE, MetricsPorts, endpoint, write_targets
+from recover.cli.statusline import TERMINAL, Progress
 from recover.client.connect import ControllerUnreachable, connect_leader
 from recover.client.launch import hand_over
 from recover.common.netaddr import is_loopback
@@ -32,12 +33,8 @@ from recover.controller.store_url import store_exposure
 from recover.controller.summary import build_summary, format_summary, write_summary
 from recover.proto import pb
 
-TERMINAL = ("succeeded", "failed", "stopped")
 EXIT_STOPPED = 3
 """`recover run`'s exit code when an operator stopped the job (`recover stop`)."""
-SHOWN_EVENTS = ("replica-failed", "generation", "recovered", "agent-lost", "failed", "divergence",
-                "replica-joined", "spare-promoted", "state-transfer", "join-abandoned",
-                "checkpoint-written", "checkpoint-failed", "resumed")
 
 
 class Terminated(KeyboardInterrupt):
@@ -135,49 +132,6 @@ def _wait_for_port(job: LocalJob, name: str, port_file: Path, timeout_s: float =
                               f"{job.log_tail(name)}")
         time.sleep(0.05)
     raise LaunchError(f"{name} did not start listening within {timeout_s:.0f}s")
-
-
-class Progress:
-    """One live status line on a terminal; periodic lines otherwise. Events go above it."""
-
-    def __init__(self, enabled: bool, stream: IO[str] = sys.stderr) -> None:
-        self.enabled = enabled
-        self.stream = stream
-        self.tty = stream.isatty()
-        self._last_line = 0.0
-        self._width = 0
-
-    def event(self, event: pb.Event) -> None:
-        if self.enabled and event.kind in SHOWN_EVENTS:
-            self._clear()
-            print(format_event(event), file=self.stream, flush=True)
-
-    def status(self, status: pb.JobStatus) -> None:
-        if not self.enabled or status.state == "waiting":
-            return
-        load = format_load(status.load)
-        joining = f"+{len(status.joining)} joining  " if status.joining else ""
-        line = (f"step {status.steps_committed}/{status.steps_total}  loss {status.last_loss:.4f}"
-                f"  gen {status.generation}  live {len(status.live_replicas)}  {joining}"
-                f"microbatches [{load}]  recoveries {status.recoveries}  {status.elapsed_s:.1f}s")
-        if self.tty:
-            self._clear()
-            self.stream.write(line)
-            self.stream.flush()
-            self._width = len(line)
-        elif time.monotonic() - self._last_line > 2.0 or status.state in TERMINAL:
-            print(line, file=self.stream, flush=True)
-            self._last_line = time.monotonic()
-
-    def _clear(self) -> None:
-        if self.tty and self._width:
-            self.stream.write("\r" + " " * self._width + "\r")
-            self._width = 0
-
-    def done(self) -> None:
-        if self.tty and self._width:
-            self.stream.write("\n")
-            self._width = 0
 
 
 def run_local(args: argparse.Namespace) -> int:
