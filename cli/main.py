@@ -195,7 +195,9 @@ def build_parser() -> Parser:
     verify.add_argument("run_a", help="a run directory (with summary.json) or a summary.json")
     verify.add_argument("run_b")
     verify.add_argument("--loss-rtol", type=float, default=0.0,
-                        help="tolerated relative loss difference (default 0: exact)")
+                        help="tolerated relative loss difference (default 0: exact); for runs "
+                             "in fast mode, which promises the loss to float rounding, not the "
+                             "same bits, parameters are then not compared (1e-4: its promise)")
 
     export.add_parser(sub)
     plot = sub.add_parser("plot", help="plot loss per step of runs (the first is the reference)")

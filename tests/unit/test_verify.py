@@ -261,3 +261,44 @@ def test_digests_made_two_ways_are_not_compared(scheme_a, scheme_b, compared):
         lost = altered("loss_per_step", 2, 9.0)
         lost["digest_scheme"] = scheme_a
         assert compare(lost, b).first_difference == 2  # the rest is still compared
+
+
+FAST_ROWS = [
+    # (reduce of run a, of run b, loss rtol, parameters differ, loss off by, identical, phrase)
+    pytest.param("exact", "exact", 1e-4, True, 0.0, False, "differ: first at step 2: parameters",
+                 id="exact-bits-always-compared"),
+    pytest.param("fast", "fast", 0.0, True, 0.0, False, "fast mode: equal up to summation order",
+                 id="fast-bits-asked-for-says-why"),
+    pytest.param("fast", "exact", 0.0, True, 0.0, False, "--loss-rtol 1e-4 checks",
+                 id="one-fast-run-says-why"),
+    pytest.param("fast", "fast", 1e-4, True, 0.0, True, "parameters differ from step 2",
+                 id="fast-promise-kept"),
+    pytest.param("fast", "fast", 1e-4, True, 1e-3, False, "differ: first at step 3: loss",
+                 id="fast-loss-beyond-tolerance"),
+    pytest.param("fast", "fast", 1e-4, False, 0.0, True, "identical: 4 steps",
+                 id="fast-same-bits-identical"),
+    pytest.param(None, "fast", 1e-4, True, 0.0, True, "agree as fast mode promises",
+                 id="an-older-summary-without-reduce"),
+]
+
+
+@pytest.mark.parametrize(("reduce_a", "reduce_b", "rtol", "params_differ", "loss_off", "same",
+                          "phrase"), FAST_ROWS)
+def test_fast_mode_is_held_to_what_it_promises(reduce_a, reduce_b, rtol, params_differ, loss_off,
+                                               same, phrase):
+    a, b = summary(), summary()
+    if reduce_a:
+        a["reduce"] = reduce_a
+    b["reduce"] = reduce_b
+    if params_differ:
+        b["param_sha256_per_step"] = [*a["param_sha256_per_step"][:2], "ee" * 32, "ff" * 32]
+    if loss_off:
+        b["loss_per_step"] = [*a["loss_per_step"][:3], a["loss_per_step"][3] * (1 + loss_off)]
+    # Samples still count in fast mode: it promises the same ones.
+    verdict = compare(a, b, rtol)
+    assert verdict.identical is same, verdict.message
+    assert phrase in verdict.message, verdict.message
+    if rtol and reduce_b == "fast":
+        c = altered("sample_digest_per_step", 1, "ff" * 32)
+        c["reduce"] = "fast"
+        assert compare(a, c, rtol).message.startswith("differ: first at step 1: sample digest")
