@@ -32,6 +32,35 @@ def to_json(message: Message) -> str:
     return json.dumps({k: fix(v, k) for k, v in raw.items()})
 
 
+class EventCursor:
+    """Where a reader is in the job's events, across leaders.
+
+    A new leader numbers its events on from those its predecessor had stored, which may be
+    fewer than it had sent (they are stored behind the critical path): numbers already seen
+    can come back on new events. So after a lost connection the events are read from the
+    start again, and one already seen (its number and its time no later than the last seen)
+    is skipped.
+    """
+
+    def __init__(self) -> None:
+        self.after = 0
+        self.last_at = 0.0
+        self.reread = False
+
+    def request(self) -> pb.EventsRequest:
+        return pb.EventsRequest(after_seq=0 if self.reread else self.after)
+
+    def fresh(self, events: list[pb.Event]) -> list[pb.Event]:
+        """The events of one answer not seen before, in order."""
+        new = [e for e in events if not (e.seq <= self.after and e.at <= self.last_at)]
+        if events or self.reread:  # a leader with none yet numbers its first 1
+            self.after = events[-1].seq if events else 0
+        self.reread = False
+        if new:
+            self.last_at = max(self.last_at, max(e.at for e in new))
+        return new
+
+
 def format_load(load: Iterable[pb.ReplicaLoad]) -> str:
     """replica:quota@measured time per microbatch+lead, e.g. `0:1@100ms+20ms 2:2@200ms+2ms`."""
     return " ".join(f"{entry.replica}:{entry.microbatches}" + (

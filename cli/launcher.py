@@ -19,7 +19,7 @@ from typing import IO
 
 import grpc
 
-from recover.cli.inspect import to_json
+from recover.cli.inspect import EventCursor, to_json
 from recover.cli.jobargs import UsageError, job_from_args
 from recover.cli.localtls import LocalTLS, local_tls
 from recover.cli.preflight import check_checkpoint_folder, check_command, check_out, check_store
@@ -321,7 +321,7 @@ def _watch(job: LocalJob, addresses: list[str], progress: Progress,
     status is asked first, so the events fetched with the terminal one include the end).
     """
     controllers = [n for n in job.processes if n.startswith("controller")]
-    after = 0
+    cursor = EventCursor()
     channel = None
     try:
         while True:
@@ -340,13 +340,13 @@ def _watch(job: LocalJob, addresses: list[str], progress: Progress,
                 status = stub.Status(pb.StatusRequest(), timeout=5)
                 if status.role == "standby":
                     raise _NotLeader
-                for event in stub.Events(pb.EventsRequest(after_seq=after), timeout=5).events:
+                for event in cursor.fresh(stub.Events(cursor.request(), timeout=5).events):
                     progress.event(event)
                     record(event)
-                    after = event.seq
             except (grpc.RpcError, _NotLeader):
                 channel.close()
                 channel = None
+                cursor.reread = True  # perhaps another leader next: see EventCursor
                 time.sleep(0.1)
                 continue
             progress.status(status)

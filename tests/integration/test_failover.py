@@ -88,6 +88,12 @@ def run_with_leader_hit(tmp_path: Path, sig: int, at_step: int | None = 8,
             os.kill(pid, signal.SIGCONT)
         _, stderr = proc.communicate(timeout=120)
         assert proc.returncode == 0, stderr
+        # The launcher's OUT/events.jsonl across the change of leader: each event once, in
+        # time order, the end included (cli/inspect.py EventCursor, unit-tested).
+        events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+        assert events[-1]["kind"] == "succeeded"
+        assert len({(e["seq"], e["at"]) for e in events}) == len(events)
+        assert [e["at"] for e in events] == sorted(e["at"] for e in events)
         return json.loads((out / "summary.json").read_text()), takeover_s, out / "logs"
     finally:
         if proc.poll() is None:
