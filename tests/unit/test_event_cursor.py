@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from recover.cli.inspect import EventCursor
 from recover.proto import pb
 
@@ -23,38 +25,29 @@ def test_one_leader_asks_after_the_last_seen():
     assert cursor.request().after_seq == 2
 
 
-def test_a_new_leader_that_stored_fewer_than_were_sent():
-    # The old leader sent 1-4 but stored 1-2; its successor numbers on from 3.
+REREAD_ROWS = [
+    # (seen before the connection was lost, the first answer after it, fresh in it, next after)
+    pytest.param([(1, 10.0), (2, 11.0), (3, 12.0), (4, 13.0)],
+                 [(1, 10.0), (2, 11.0), (3, 20.0), (4, 21.0), (5, 22.0)],
+                 [(3, 20.0), (4, 21.0), (5, 22.0)], 5,
+                 id="a-new-leader-stored-fewer-than-were-sent"),
+    pytest.param([(1, 10.0), (2, 11.0)],
+                 [(1, 10.0), (2, 11.0), (3, 12.0), (4, 30.0)],
+                 [(3, 12.0), (4, 30.0)], 4,
+                 id="a-new-leader-stored-more-than-was-read"),
+    pytest.param([(1, 10.0), (2, 11.0), (3, 12.0)], [], [], 0,
+                 id="a-new-leader-with-none-yet-is-read-from-its-first"),
+    pytest.param([(1, 10.0), (2, 11.0)], [(1, 10.0), (2, 11.0), (3, 12.0)], [(3, 12.0)], 3,
+                 id="the-same-leader-repeats-nothing"),
+]
+
+
+@pytest.mark.parametrize(("before", "answer", "fresh", "after"), REREAD_ROWS)
+def test_after_a_lost_connection_each_event_once(before, answer, fresh, after):
     cursor = EventCursor()
-    seen(cursor, events((1, 10.0), (2, 11.0), (3, 12.0), (4, 13.0)))
+    seen(cursor, events(*before))
     cursor.reread = True
     assert cursor.request().after_seq == 0
-    answer = events((1, 10.0), (2, 11.0), (3, 20.0), (4, 21.0), (5, 22.0))
-    assert seen(cursor, answer) == [(3, 20.0), (4, 21.0), (5, 22.0)]
-    assert cursor.request().after_seq == 5
-    assert seen(cursor, events((6, 23.0))) == [(6, 23.0)]
-
-
-def test_a_new_leader_that_stored_more_than_was_read():
-    # The reader had seen 1-2; the old leader stored 1-3 before it died.
-    cursor = EventCursor()
-    seen(cursor, events((1, 10.0), (2, 11.0)))
-    cursor.reread = True
-    assert seen(cursor, events((1, 10.0), (2, 11.0), (3, 12.0), (4, 30.0))) == [(3, 12.0),
-                                                                               (4, 30.0)]
-
-
-def test_a_new_leader_with_no_events_yet_is_read_from_its_first():
-    cursor = EventCursor()
-    seen(cursor, events((1, 10.0), (2, 11.0), (3, 12.0)))
-    cursor.reread = True
-    assert seen(cursor, []) == []
-    assert cursor.request().after_seq == 0
-    assert seen(cursor, events((1, 40.0))) == [(1, 40.0)]
-
-
-def test_the_same_leader_after_a_lost_connection_repeats_nothing():
-    cursor = EventCursor()
-    seen(cursor, events((1, 10.0), (2, 11.0)))
-    cursor.reread = True
-    assert seen(cursor, events((1, 10.0), (2, 11.0), (3, 12.0))) == [(3, 12.0)]
+    assert seen(cursor, events(*answer)) == fresh
+    assert cursor.request().after_seq == after
+    assert seen(cursor, events((after + 1, 99.0))) == [(after + 1, 99.0)]
