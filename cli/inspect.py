@@ -150,12 +150,23 @@ def main(args: argparse.Namespace, security: Security | None = None) -> int:
             status = stub.Status(pb.StatusRequest(), timeout=5)
             print(to_json(status) if args.json else format_status(status))
             return 0
-        after = 0
+        cursor = EventCursor()
         while True:
-            events = stub.Events(pb.EventsRequest(after_seq=after), timeout=5).events
-            for event in events:
+            try:
+                answer = stub.Events(cursor.request(), timeout=5).events
+            except grpc.RpcError:
+                if not args.follow:
+                    raise
+                # Following: the leader may have changed (or be changing): find it again.
+                channel.close()
+                connected = connect_or_say(args.command, args.controller, args.timeout, security)
+                if connected is None:
+                    return 1
+                channel, stub = connected
+                cursor.reread = True
+                continue
+            for event in cursor.fresh(answer):
                 print(to_json(event) if args.json else format_event(event), flush=True)
-                after = event.seq
             if not args.follow:
                 return 0
             time.sleep(0.5)

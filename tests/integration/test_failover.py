@@ -60,6 +60,7 @@ def run_with_leader_hit(tmp_path: Path, sig: int, at_step: int | None = 8,
                                         "--job-id", "failover", "--out", str(out), *extra),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     names = ("controller", "controller-1")
+    follower: subprocess.Popen[str] | None = None
     try:
         deadline = time.monotonic() + 90
         leader = None
@@ -76,6 +77,14 @@ def run_with_leader_hit(tmp_path: Path, sig: int, at_step: int | None = 8,
                 pass
             time.sleep(0.05)
         standby = next(n for n in names if n != leader)
+        # `recover events --follow` over both controllers, as an operator would watch an HA
+        # job: it finds the new leader, and repeats and misses nothing (checked at the end).
+        addresses = ",".join(f"127.0.0.1:{(out / f'{n}.port').read_text()}" for n in names)
+        followed = out / "followed.jsonl"
+        with open(followed, "w") as sink:
+            follower = subprocess.Popen(recover_cmd("events", "--controller", addresses, "--json",
+                                                    "--follow", "--timeout", "10"),
+                                        stdout=sink, stderr=subprocess.DEVNULL, text=True)
         pid = controller_pid(out, leader)
         hit = time.monotonic()
         os.kill(pid, sig)
@@ -94,8 +103,18 @@ def run_with_leader_hit(tmp_path: Path, sig: int, at_step: int | None = 8,
         assert events[-1]["kind"] == "succeeded"
         assert len({(e["seq"], e["at"]) for e in events}) == len(events)
         assert [e["at"] for e in events] == sorted(e["at"] for e in events)
+        # What the follower printed, up to where it was stopped, is the same. (It polls every
+        # 0.5 s, and the controllers exit with the job: how far it got is timing's, so only
+        # what it printed is checked, whole lines, as far as they go.)
+        follower.kill()
+        follower.wait()
+        lines = followed.read_text().split("\n")[:-1]
+        assert [json.loads(line) for line in lines] == events[:len(lines)]
         return json.loads((out / "summary.json").read_text()), takeover_s, out / "logs"
     finally:
+        if follower is not None and follower.poll() is None:
+            follower.kill()
+            follower.wait()
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)  # the launcher stops its controllers and agents
             try:
