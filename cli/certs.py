@@ -27,6 +27,8 @@ from recover.common.security import Role
 
 DEFAULT_DAYS = 365
 MAX_DAYS = 36500
+MAX_NAME = 64
+"""X.509's upper bound on a common name."""
 """A hundred years: beyond that a validity is a typo (and soon past X.509's year 9999)."""
 CA_CERT, CA_KEY = "ca.pem", "ca-key.pem"
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -42,6 +44,8 @@ def valid_host(host: str) -> bool:
     except ValueError:
         pass
     labels = host.removeprefix("*.").split(".")
+    if all(label.isdigit() for label in labels):
+        return False  # digits and dots only: a mistyped IP address, not a DNS name
     return len(host) <= 253 and all(DNS_LABEL.fullmatch(label) for label in labels)
 
 
@@ -84,6 +88,10 @@ def run(args: argparse.Namespace) -> int:
     if args.certs_command == "issue" and not NAME.fullmatch(args.name):
         raise UsageError(f"recover certs: {args.name!r} is not a name for a certificate (letters, "
                          "digits, '.', '_' and '-')")
+    if not 1 <= len(args.name) <= MAX_NAME or not args.name.isprintable():
+        shown = repr(args.name) if len(args.name) <= 20 else f"{args.name[:20]!r}..."
+        raise UsageError(f"recover certs: the name {shown} must be 1 to {MAX_NAME} printable "
+                         "characters (an X.509 common name)")
     try:
         if args.certs_command == "init":
             cert, key = init_ca(folder, args.name, args.days)
@@ -95,22 +103,39 @@ def run(args: argparse.Namespace) -> int:
         if bad:
             raise UsageError(f"recover certs: --host {bad[0]!r} is neither an IP address nor a "
                              "DNS name")
-        cert, key = issue(folder, args.name, [Role(r) for r in args.role], hosts, args.days)
+        roles = list(dict.fromkeys(args.role))  # each once, in the order given
+        cert, key = issue(folder, args.name, [Role(r) for r in roles], hosts, args.days)
     except OSError as exc:
         raise UsageError(f"recover certs: {exc.filename or args.dir}: "
                          f"{exc.strerror or exc}") from None
+    from cryptography import x509
+
+    end = x509.load_pem_x509_certificate(cert.read_bytes()).not_valid_after_utc
+    capped = end < datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=args.days - 1)
     print(f"recover certs: issued {cert} and {key} for {args.name} "
-          f"(roles {', '.join(args.role)}{'; hosts ' + ', '.join(hosts) if hosts else ''})")
+          f"(roles {', '.join(roles)}{'; hosts ' + ', '.join(hosts) if hosts else ''}; valid "
+          f"until {end:%Y-%m-%d}{', when the CA ends: a certificate cannot outlive it' if capped else ''})")
     return 0
 
 
-def _write_new(path: Path, data: bytes, private: bool) -> None:
-    if path.exists():
-        raise UsageError(f"recover certs: {path} exists; not overwriting it")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-    fd = os.open(path, flags, 0o600 if private else 0o644)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
+def _write_pair(key_path: Path, key_pem: bytes, cert_path: Path, cert_pem: bytes) -> None:
+    """Write a key (0600) and its certificate, both new, or neither: a key left beside
+    another key's certificate would pass for a pair and fail every handshake."""
+    for path in (key_path, cert_path):
+        if path.exists() or path.is_symlink():
+            raise UsageError(f"recover certs: {path} exists; not overwriting it (nor writing "
+                             f"its {'certificate' if path == key_path else 'key'})")
+    written: list[Path] = []
+    try:
+        for path, data, mode in ((key_path, key_pem, 0o600), (cert_path, cert_pem, 0o644)):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+            written.append(path)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+    except BaseException:
+        for path in written:
+            path.unlink(missing_ok=True)
+        raise
 
 
 def init_ca(folder: Path, name: str, days: int) -> tuple[Path, Path]:
@@ -134,10 +159,10 @@ def init_ca(folder: Path, name: str, days: int) -> tuple[Path, Path]:
                                          encipher_only=False, decipher_only=False), critical=True)
             .sign(key, hashes.SHA256()))
     key_path, cert_path = folder / CA_KEY, folder / CA_CERT
-    _write_new(key_path, key.private_bytes(serialization.Encoding.PEM,
-                                           serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()), private=True)
-    _write_new(cert_path, cert.public_bytes(serialization.Encoding.PEM), private=False)
+    _write_pair(key_path, key.private_bytes(serialization.Encoding.PEM,
+                                            serialization.PrivateFormat.PKCS8,
+                                            serialization.NoEncryption()),
+                cert_path, cert.public_bytes(serialization.Encoding.PEM))
     return cert_path, key_path
 
 
@@ -160,8 +185,16 @@ def issue(folder: Path, name: str, roles: list[Role], hosts: list[str], days: in
     except FileNotFoundError:
         raise UsageError(f"recover certs: no CA in {folder} (run `recover certs init "
                          f"{folder}` first)") from None
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"recover certs: the CA in {folder} does not load ({CA_KEY} and "
+                         f"{CA_CERT} must be what `recover certs init` made): "
+                         f"{str(exc).splitlines()[0]}") from None
     if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
         raise UsageError(f"recover certs: {folder / CA_KEY} is not a key `recover certs init` made")
+    if ca_key.public_key() != ca_cert.public_key():
+        raise UsageError(f"recover certs: {folder / CA_KEY} is not the key of {folder / CA_CERT} "
+                         "(a certificate it signed would not verify)")
+    ca_end = ca_cert.not_valid_after_utc
     names: list[x509.GeneralName] = []
     for host in hosts:
         try:
@@ -179,15 +212,15 @@ def issue(folder: Path, name: str, roles: list[Role], hosts: list[str], days: in
     builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(ca_cert.subject)
                .public_key(key.public_key()).serial_number(x509.random_serial_number())
                .not_valid_before(not_before or now - datetime.timedelta(minutes=5))
-               .not_valid_after(not_after or now + datetime.timedelta(days=days))
+               .not_valid_after(not_after or min(now + datetime.timedelta(days=days), ca_end))
                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
                .add_extension(x509.ExtendedKeyUsage(usages), critical=False))
     if names:
         builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
     cert = builder.sign(ca_key, hashes.SHA256())
     cert_path, key_path = folder / f"{name}.pem", folder / f"{name}-key.pem"
-    _write_new(key_path, key.private_bytes(serialization.Encoding.PEM,
-                                           serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()), private=True)
-    _write_new(cert_path, cert.public_bytes(serialization.Encoding.PEM), private=False)
+    _write_pair(key_path, key.private_bytes(serialization.Encoding.PEM,
+                                            serialization.PrivateFormat.PKCS8,
+                                            serialization.NoEncryption()),
+                cert_path, cert.public_bytes(serialization.Encoding.PEM))
     return cert_path, key_path

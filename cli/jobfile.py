@@ -56,15 +56,20 @@ DESTS = {"command": "file_command", **{s.file_key: s.dest for s in SETTINGS if s
 
 
 def find_job_file(argv: list[str]) -> str | None:
-    """The value of `--job FILE` / `--job=FILE` among the options before `--`."""
+    """The value of `--job FILE` / `--job=FILE` among the options before `--` (a job is one
+    file: two are refused rather than one silently ignored)."""
+    found = []
     for i, arg in enumerate(argv):
         if arg == "--":
-            return None
+            break
         if arg == "--job" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--job="):
-            return arg.split("=", 1)[1]
-    return None
+            found.append(argv[i + 1])
+        elif arg.startswith("--job="):
+            found.append(arg.split("=", 1)[1])
+    if len(found) > 1:
+        raise UsageError(f"--job given {len(found)} times ({', '.join(map(repr, found))}): a job "
+                         "is one file (flags after it change its settings)")
+    return found[0] if found else None
 
 
 def load(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:

@@ -145,7 +145,7 @@ def run_local(args: argparse.Namespace) -> int:
         for note in notes:
             print(f"recover run: {note}", file=sys.stderr)
     check_command(list(job_config.workload.command))
-    check_checkpoint_folder(job_config.checkpoint.dir)
+    check_checkpoint_folder(job_config.checkpoint.dir, resumed=bool(job_config.resume.path))
     check_out(args.out)
     if not store_exposure(args.store, insecure_store=False, is_loopback=is_loopback).allowed:
         raise UsageError(f"recover run: --store {args.store}: plaintext etcd on another machine "

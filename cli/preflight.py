@@ -82,14 +82,28 @@ def check_command(command: list[str]) -> None:
                          "from the current directory)")
 
 
-def check_checkpoint_folder(folder: str) -> None:
+def check_checkpoint_folder(folder: str, resumed: bool = False) -> None:
     """Make the folder and its key now (every host of a local job is this one), so that a
-    folder that cannot hold them is one line before anything starts, not a failed write."""
-    if folder:
-        try:
-            ckptfile.folder_key(Path(folder), create=True)
-        except ckptfile.CheckpointError as exc:
-            raise UsageError(f"recover run: --checkpoint-dir {folder!r}: {exc}") from None
-        except OSError as exc:
-            raise UsageError(f"recover run: --checkpoint-dir {folder!r}: "
-                             f"{exc.strerror or exc}") from None
+    folder that cannot hold them is one line before anything starts, not a failed write.
+    A new job is refused a folder that holds checkpoints already: its files would replace
+    some of theirs (same step, same name) and sit beside the rest, and `--resume` of the
+    folder would then pick whichever is newest. A resumed job goes on in its own folder."""
+    if not folder:
+        return
+    try:
+        found = [] if resumed else ckptfile.listed(Path(folder))
+    except OSError:
+        found = []  # said below, as the folder's key cannot be made either
+    if found:
+        step, newest = found[0]
+        raise UsageError(f"recover run: --checkpoint-dir {folder!r} holds {len(found)} "
+                         f"checkpoint{'s' if len(found) > 1 else ''} already (newest "
+                         f"{newest.name}, step {step}): a new job would overwrite and mix with "
+                         f"them; resume that job with --resume {folder}, or give an empty folder")
+    try:
+        ckptfile.folder_key(Path(folder), create=True)
+    except ckptfile.CheckpointError as exc:
+        raise UsageError(f"recover run: --checkpoint-dir {folder!r}: {exc}") from None
+    except OSError as exc:
+        raise UsageError(f"recover run: --checkpoint-dir {folder!r}: "
+                         f"{exc.strerror or exc}") from None

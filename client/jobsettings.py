@@ -356,8 +356,24 @@ def job_fields(args: argparse.Namespace) -> Fields:
     found: Fields = {}
     for setting in SETTINGS:
         if setting.needs is None or getattr(args, setting.needs):
-            found.update(setting.fields(args))
+            fields = setting.fields(args)
+            for path, value in fields.items():
+                largest = _largest(path)
+                if largest is not None and isinstance(value, int) and value > largest:
+                    raise SettingError(f"{setting.flag} must be at most {largest}, got {value}")
+            found.update(fields)
     return found
+
+
+def _largest(path: str) -> int | None:
+    """The largest value JobConfig's integer field at `path` holds (None: not an integer)."""
+    descriptor = pb.JobConfig.DESCRIPTOR
+    *parents, name = path.split(".")
+    for parent in parents:
+        descriptor = descriptor.fields_by_name[parent].message_type
+    field = descriptor.fields_by_name[name]
+    return {field.CPPTYPE_INT32: 2**31 - 1, field.CPPTYPE_INT64: 2**63 - 1,
+            field.CPPTYPE_UINT32: 2**32 - 1, field.CPPTYPE_UINT64: 2**64 - 1}.get(field.cpp_type)
 
 
 def nested(found: Fields) -> dict[str, Any]:

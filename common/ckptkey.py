@@ -17,6 +17,7 @@ job's own user, and root, can read the key: they could run anything as the job a
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import os
@@ -59,12 +60,16 @@ def load(folder: Path) -> bytes:
         raise MissingKey(f"no checkpoint key {path}: the folder's checkpoints cannot be "
                          "authenticated") from None
     except OSError as exc:
+        if exc.errno == errno.ELOOP:  # what O_NOFOLLOW says of a symbolic link
+            raise KeyProblem(f"the checkpoint key {path} is a symbolic link: refused (a link "
+                             "could make any file the key)") from None
         raise KeyProblem(f"cannot read the checkpoint key {path}: "
                          f"{exc.strerror or exc}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # before fdopen, which refuses a folder
+        os.close(fd)
+        raise KeyProblem(f"the checkpoint key {path} is not a regular file")
     with os.fdopen(fd, "rb") as f:
         info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise KeyProblem(f"the checkpoint key {path} is not a regular file")
         if info.st_uid not in (os.geteuid(), 0):
             raise KeyProblem(f"the checkpoint key {path} belongs to uid {info.st_uid}, not to "
                              f"this user ({os.geteuid()}): refused")

@@ -128,7 +128,11 @@ def test_a_missing_or_unsafe_key_refuses_every_file(tmp_path: Path) -> None:
     key.symlink_to(tmp_path / "elsewhere")  # a link in the key's place is never followed
     (tmp_path / "elsewhere").write_bytes(secret)
     (tmp_path / "elsewhere").chmod(0o600)
-    with pytest.raises(ckptfile.CheckpointError, match="cannot read the checkpoint key"):
+    with pytest.raises(ckptfile.CheckpointError, match="key .*checkpoint.key is a symbolic link"):
+        ckptfile.read_meta(path)
+    key.unlink()
+    key.mkdir()  # a folder in the key's place: one line, not Python's IsADirectoryError
+    with pytest.raises(ckptfile.CheckpointError, match="key .*checkpoint.key is not a regular file"):
         ckptfile.read_meta(path)
 
 

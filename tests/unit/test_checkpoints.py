@@ -4,6 +4,7 @@ forged and edited files, what a resume takes from a file): test_checkpoint_auth.
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -175,3 +176,29 @@ def test_resuming_a_finished_job_is_refused_with_a_reason(tmp_path: Path) -> Non
 ])
 def test_only_recent_restarts_count(times, now, window, counted) -> None:
     assert recent_restarts(times, now, window) == counted
+
+
+@pytest.mark.parametrize(("existing", "resumed", "refused"), [
+    pytest.param((), False, "", id="an-empty-folder"),
+    pytest.param((4, 8), False, "holds 2 checkpoints already (newest ckpt-0000000008.rcv, step 8)",
+                 id="a-new-job-into-another-jobs-folder"),
+    pytest.param((8,), True, "", id="a-resumed-job-goes-on-in-its-folder"),
+])
+def test_a_new_job_is_refused_a_folder_with_checkpoints(tmp_path: Path, existing, resumed,
+                                                          refused) -> None:
+    from recover.cli.jobargs import UsageError
+    from recover.cli.preflight import check_checkpoint_folder
+
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    for step in existing:
+        write(folder, step)
+    before = sorted(p.name for p in folder.iterdir())
+    if refused:
+        with pytest.raises(UsageError, match=f"{re.escape(refused)}.*--resume {folder}") as caught:
+            check_checkpoint_folder(str(folder), resumed=resumed)
+        assert "\n" not in str(caught.value)
+        assert sorted(p.name for p in folder.iterdir()) == before  # nothing touched
+    else:
+        check_checkpoint_folder(str(folder), resumed=resumed)
+        assert (folder / "checkpoint.key").exists()

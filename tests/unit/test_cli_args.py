@@ -315,11 +315,24 @@ def test_new_flags_usage_errors_exit_2_with_one_line(capsys, tmp_path, command, 
     (["certs", "issue", "DIR/ca", "c1", "--role", "controller", "--host", "not a host!"],
      "--host 'not a host!' is neither an IP address nor a DNS name"),
     (["certs", "token", "--subject", "two words"], "--subject 'two words': one word"),
+    (["certs", "issue", "DIR/ca", "c1", "--role", "controller", "--host", "999.1.1.1"],
+     "--host '999.1.1.1' is neither an IP address nor a DNS name"),
+    (["certs", "init", "DIR/ca2", "--name", ""], "the name '' must be 1 to 64 printable"),
+    (["certs", "init", "DIR/ca2", "--name", "n" * 65], "must be 1 to 64 printable characters"),
+    (["certs", "issue", "DIR/ca", "n" * 65, "--role", "agent"], "must be 1 to 64 printable"),
+    (["certs", "issue", "DIR/junk", "a", "--role", "agent"], "the CA in DIR/junk does not load"),
+    (["certs", "issue", "DIR/mixed", "a", "--role", "agent"],
+     "DIR/mixed/ca-key.pem is not the key of DIR/mixed/ca.pem"),
     (["stop", "--timeout", "-1"], "--timeout: must be a positive number of seconds"),
     (["drain", "host0", "--timeout", "0"], "--timeout: must be a positive number of seconds"),
     (["run", "--job", "/dev/urandom"], "--job '/dev/urandom': not a regular file"),
     (["run", "--job", "DIR"], "not a regular file"),
     (["run", "--checkpoint-dir", "FILE"], "--checkpoint-dir 'FILE' is a file, not a folder"),
+    (["run", "--checkpoint-dir", "DIR/ck", "--checkpoint-keep", "9" * 20],
+     "--checkpoint-keep must be at most 2147483647"),
+    (["run", "--checkpoint-dir", "DIR/ck", "--checkpoint-every", "9" * 20],
+     "--checkpoint-every must be at most 2147483647"),
+    (["run", "--job", "DIR/job.toml", "--job", "DIR/job.toml"], "--job given 2 times"),
     (["controller", "--checkpoint-dir", "FILE"], "--checkpoint-dir 'FILE' is a file, not a folder"),
 ], ids=lambda value: value if isinstance(value, str) else None)
 def test_inputs_that_used_to_hang_or_trace_back_are_one_line(capsys, tmp_path, argv, phrase):
@@ -327,6 +340,14 @@ def test_inputs_that_used_to_hang_or_trace_back_are_one_line(capsys, tmp_path, a
     file = tmp_path / "a-file"
     file.write_text("")
     main(["certs", "init", str(tmp_path / "ca")])  # the CA that `issue` signs with
+    main(["certs", "init", str(tmp_path / "other")])
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "ca.pem").write_text("junk\n")
+    (tmp_path / "junk" / "ca-key.pem").write_text("junk\n")
+    (tmp_path / "job.toml").write_text("[job]\nsteps = 3\n")
+    (tmp_path / "mixed").mkdir()  # one CA's certificate, another's key
+    (tmp_path / "mixed" / "ca.pem").write_bytes((tmp_path / "ca" / "ca.pem").read_bytes())
+    (tmp_path / "mixed" / "ca-key.pem").write_bytes((tmp_path / "other" / "ca-key.pem").read_bytes())
     capsys.readouterr()
     argv = [a.replace("FILE", str(file)).replace("DIR", str(tmp_path)) for a in argv]
     if argv[0] == "run":
@@ -334,6 +355,7 @@ def test_inputs_that_used_to_hang_or_trace_back_are_one_line(capsys, tmp_path, a
     code, out, err = run_main(capsys, argv)
     assert code == 2 and out == ""
     assert_one_line(err, phrase.replace("FILE", str(file)).replace("DIR", str(tmp_path)))
+    assert not (tmp_path / "ca2").exists()  # a CA refused leaves no folder behind
 
 
 def test_a_job_file_larger_than_settings_can_be_is_refused(capsys, tmp_path):

@@ -94,6 +94,19 @@ def test_certs_never_overwrite_and_need_a_ca(ca: Path, tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="no CA in"):
         issue(tmp_path, "x", [Role.AGENT], [], 30)
     assert (ca / "host0-key.pem").stat().st_mode & 0o077 == 0  # a private key stays private
+    # A pair is written whole or not at all: with either half in the way, nothing new is
+    # written (a fresh key beside the old certificate would pass for its pair).
+    for kept in ("host0.pem", "host0-key.pem"):
+        half = tmp_path / "half"
+        half.mkdir()
+        for name in ("ca.pem", "ca-key.pem", kept):
+            (half / name).write_bytes((ca / name).read_bytes())
+        with pytest.raises(UsageError, match="exists; not overwriting"):
+            issue(half, "host0", [Role.AGENT], [], 30)
+        assert sorted(p.name for p in half.iterdir()) == sorted(["ca.pem", "ca-key.pem", kept])
+        for path in half.iterdir():
+            path.unlink()
+        half.rmdir()
 
 
 def test_identify_by_certificate_token_or_both(ca: Path, tmp_path: Path) -> None:
@@ -216,3 +229,17 @@ def test_the_metrics_endpoint_is_as_closed_as_the_controller_unless_told(
     from recover.controller.server import metrics_tls
 
     assert metrics_tls(security, plain) == expected
+
+
+def test_a_certificate_never_outlives_its_ca(tmp_path: Path, capsys) -> None:
+    from cryptography import x509
+
+    from recover.cli.main import main
+
+    main(["certs", "init", str(tmp_path), "--days", "30"])
+    main(["certs", "issue", str(tmp_path), "h", "--role", "agent", "--role", "agent"])
+    out = capsys.readouterr().out
+    ca_end = x509.load_pem_x509_certificate((tmp_path / "ca.pem").read_bytes()).not_valid_after_utc
+    end = x509.load_pem_x509_certificate((tmp_path / "h.pem").read_bytes()).not_valid_after_utc
+    assert end == ca_end  # --days 365 asked for, the CA's 30 given
+    assert "(roles agent; valid until" in out and "when the CA ends" in out
