@@ -25,7 +25,8 @@ from recover.cli.jobargs import UsageError, add_job_arguments
 
 
 def _policy_args(parser: argparse.ArgumentParser) -> None:
-    ckpt = parser.add_argument_group("checkpoint-and-restart baseline")
+    ckpt = parser.add_argument_group("checkpoint-and-restart baseline (recover run: with "
+                                     "--mode ckpt-restart only)")
     ckpt.add_argument("--ckpt-every-steps", type=int, default=None, metavar="N",
                       help="checkpoint every N steps (default: Young-Daly from the measured write "
                            "cost and the schedule's failure rate)")

@@ -123,7 +123,9 @@ def write_summary(addresses: str, out: str, timeout_s: float,
     try:
         path = write(summary, out)
     except OSError as exc:
-        print(f"recover summary: cannot write {out}: {exc.strerror}", file=sys.stderr)
+        blocked = isinstance(exc, FileExistsError | NotADirectoryError)
+        why = f"{out} (or a folder above it) is a file" if blocked else exc.strerror
+        print(f"recover summary: cannot write into {out}: {why}", file=sys.stderr)
         return 1
     print(format_summary(summary))
     print(f"summary: {path}" + ("" if report.finished_at else " (the job is still running)"))

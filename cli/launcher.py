@@ -37,6 +37,10 @@ EXIT_STOPPED = 3
 """`recover run`'s exit code when an operator stopped the job (`recover stop`)."""
 
 
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM: stop the job as Ctrl-C does."""
 
@@ -224,8 +228,8 @@ def run_local(args: argparse.Namespace) -> int:
                 *(metrics.flags(f"host{index}", metrics.agent_index(index)) if metrics else [])])
         endpoints = (_metrics_endpoints(job, metrics, agents, bool(tls), job_config.job_id)
                      if metrics else {})
-        print(f"recover run: job {job_config.job_id}, {job_config.replicas} replicas on {agents} "
-              f"agents, controller{'s' if len(addresses) > 1 else ''} {address}, logs in "
+        print(f"recover run: job {job_config.job_id}, {plural(job_config.replicas, 'replica')} on "
+              f"{plural(agents, 'agent')}, controller{'s' if len(addresses) > 1 else ''} {address}, logs in "
               f"{job.logs}", file=sys.stderr)
         with open(out / "events.jsonl", "w") as events:
             report = _watch(job, addresses, progress, tls.security("launcher") if tls else None,

@@ -306,6 +306,13 @@ def main(argv: list[str] | None = None) -> int:
             if args.schedule is not None:
                 raise UsageError("recover run: --schedule goes with --mode ckpt-restart (for "
                                  "ReCoVer under a schedule use `recover bench throughput`)")
+            baseline_only = [flag for flag, value in (
+                ("--ckpt-every-steps", args.ckpt_every_steps), ("--ckpt-every-s", args.ckpt_every_s),
+                ("--mtbf", args.mtbf)) if value is not None]
+            if baseline_only:
+                raise UsageError(f"recover run: {baseline_only[0]} is the checkpoint-and-restart "
+                                 "baseline's (--mode ckpt-restart); ReCoVer's own checkpoints are "
+                                 "--checkpoint-dir DIR --checkpoint-every N|Ns")
             from recover.cli.launcher import run_local
 
             return run_local(args)

@@ -64,6 +64,7 @@ def plot(runs: list[str], out: str, labels: list[str] | None = None, x: str = "s
         raise UsageError(f"recover plot: {len(labels)} labels for {len(runs)} runs")
     if x not in AXES:
         raise UsageError(f"recover plot: --x {x!r}: choose step or time")
+    target = _target(out)
     summaries = [load_run(run) for run in runs]
     if x == "step" and any(s.get("mode") == "ckpt-restart" for s in summaries):
         raise UsageError("recover plot: a ckpt-restart run has no per-step ledger to compare "
@@ -76,7 +77,6 @@ def plot(runs: list[str], out: str, labels: list[str] | None = None, x: str = "s
                             labels or [label_of(s, r) for s, r in zip(summaries, runs, strict=True)])
     else:
         fig = draw(plt, summaries, runs, labels)
-    target = Path(out)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(target, dpi=110)
@@ -84,6 +84,19 @@ def plot(runs: list[str], out: str, labels: list[str] | None = None, x: str = "s
         raise UsageError(f"recover plot: cannot write {target}: {error.strerror}") from None
     finally:
         plt.close(fig)
+    return target
+
+
+def _target(out: str) -> Path:
+    """Where the PNG goes, or one line saying why it cannot go there (before any drawing)."""
+    target = Path(out)
+    if target.suffix.lower() != ".png":
+        raise UsageError(f"recover plot: --out {out!r}: name a .png file (the figure is a PNG)")
+    if target.is_dir():
+        raise UsageError(f"recover plot: --out {out!r} is a folder, not a file")
+    blocking = next((p for p in target.parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise UsageError(f"recover plot: cannot write {target}: {blocking} is a file, not a folder")
     return target
 
 
@@ -128,7 +141,8 @@ def draw(plt: Any, summaries: list[dict[str, Any]], runs: list[str],
     bottom.set_yscale("log")
     bottom.set_ylim(FLOOR / 2, None)
     bottom.set_ylabel(f"|loss - {Path(runs[0]).name}|\n(bottom line: identical)")
-    bottom.legend(fontsize=8)
+    if len(summaries) > 1:  # one run has no difference to draw, nor a legend for it
+        bottom.legend(fontsize=8)
     strength.set_ylabel("live replicas")
     strength.set_xlabel("step")
     strength.yaxis.get_major_locator().set_params(integer=True)

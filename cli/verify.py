@@ -118,9 +118,17 @@ def compare(a: dict[str, Any], b: dict[str, Any], loss_rtol: float = 0.0) -> Ver
     # check that promise; asked for bits, say why they may differ.
     fast = "fast" in (a.get("reduce"), b.get("reduce"))
     rounded_at = None
+    unrecorded: list[int] = []  # steps whose parameters a run did not record (it failed)
+    if steps == 0:
+        return Verdict(False, "nothing to compare: "
+                              + ("neither run committed a step" if a["steps_committed"] ==
+                                 b["steps_committed"] else "one run committed no step"), None)
     for step in range(steps):
         for key, what in checks:
             left, right = a[key][step], b[key][step]
+            if what == "parameters" and (left is None or right is None):
+                unrecorded.append(step)
+                continue
             if left == right:
                 continue
             if what == "parameters" and fast and loss_rtol > 0:
@@ -142,6 +150,11 @@ def compare(a: dict[str, Any], b: dict[str, Any], loss_rtol: float = 0.0) -> Ver
         return Verdict(False, f"parameters not compared: one run's digests are {schemes[0]}, the "
                               f"other's {schemes[1]} (builds that hash them differently); the "
                               f"{steps} steps' microbatches, samples and loss agree", None)
+    if unrecorded:  # not a proof of sameness, nor a difference: said as what it is
+        return Verdict(False, f"not all compared: {steps} steps agree where both runs recorded "
+                              f"them, but {_state_word(a, steps)} were not recorded by a run at "
+                              f"step{'s' if len(unrecorded) > 1 else ''} "
+                              f"{', '.join(map(str, unrecorded))}", None)
     if rounded_at is not None:
         return Verdict(True, f"agree as fast mode promises: {steps} steps with the same "
                              f"microbatches and samples, the loss within a relative {loss_rtol:g}; "

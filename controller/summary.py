@@ -166,13 +166,15 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines = [
         f"{summary['state']}: {summary['steps_committed']}/{summary['steps_requested']} steps, "
         f"{summary['global_microbatches']} microbatches each"
-        + (f" ({summary['reason']})" if summary["state"] != "succeeded" else ""),
+        + (f" ({summary['reason']})" if summary["state"] != "succeeded" and summary["reason"]
+           else ""),
     ]
     if losses:
         lines.append(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    by_phase = ", ".join(f"{n} {p}" for p, n in phases.items())
     lines.append(
-        f"{len(failures)} failures" + (f" ({', '.join(f'{n} {p}' for p, n in phases.items())})"
-                                       if failures else "")
+        f"{len(failures)} failure{'' if len(failures) == 1 else 's'}"
+        + (f" ({by_phase})" if failures else "")
         + (f", recovered in {min(recovered):.3f}-{max(recovered):.3f}s" if recovered else ""))
     lines.append(f"{len(summary['live_replicas'])} of {summary['replicas']} replicas left; "
                  f"{summary['tokens']} tokens in {summary['wall_s']:.1f}s")

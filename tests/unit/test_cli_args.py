@@ -333,6 +333,8 @@ def test_new_flags_usage_errors_exit_2_with_one_line(capsys, tmp_path, command, 
     (["run", "--checkpoint-dir", "DIR/ck", "--checkpoint-every", "9" * 20],
      "--checkpoint-every must be at most 2147483647"),
     (["run", "--job", "DIR/job.toml", "--job", "DIR/job.toml"], "--job given 2 times"),
+    (["run", "--ckpt-every-steps", "1"], "--ckpt-every-steps is the checkpoint-and-restart "
+                                         "baseline's (--mode ckpt-restart)"),
     (["controller", "--checkpoint-dir", "FILE"], "--checkpoint-dir 'FILE' is a file, not a folder"),
 ], ids=lambda value: value if isinstance(value, str) else None)
 def test_inputs_that_used_to_hang_or_trace_back_are_one_line(capsys, tmp_path, argv, phrase):

@@ -76,20 +76,39 @@ def test_cli_writes_a_png(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == f"wrote {out}"
 
 
-@pytest.mark.parametrize("case", ["label-count", "missing-run", "unwritable"])
-def test_bad_input_is_one_line(tmp_path, capsys, case):
+@pytest.mark.parametrize(("case", "phrase"), [
+    ("label-count", "labels for"), ("missing-run", "no run at"),
+    ("unwritable", "file is a file, not a folder"), ("no-suffix", "name a .png file"),
+    ("a-folder", "is a folder, not a file")])
+def test_bad_input_is_one_line(tmp_path, capsys, case, phrase):
     runs = write_runs(tmp_path)
     argv = ["plot", *runs, "--out", str(tmp_path / "t.png")]
     if case == "label-count":
         argv += ["--label", "only one"]
     elif case == "missing-run":
         argv[1] = str(tmp_path / "nope")
-    else:
+    elif case == "unwritable":
         (tmp_path / "file").write_text("x")
         argv[-1] = str(tmp_path / "file" / "t.png")  # parent is a file
+    elif case == "no-suffix":
+        argv[-1] = str(tmp_path / "figure")  # matplotlib would write figure.png, not figure
+    else:
+        (tmp_path / "a.png").mkdir()
+        argv[-1] = str(tmp_path / "a.png")
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err and err.startswith("recover plot"), err
+    assert phrase in err, err
+    assert not (tmp_path / "figure.png").exists()
+
+
+def test_one_run_draws_without_a_warning(tmp_path, capsys):
+    import warnings
+
+    runs = write_runs(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib's "No artists with labels" would raise
+        assert main(["plot", runs[0], "--out", str(tmp_path / "one.png")]) == 0
 
 
 def test_no_runs_is_a_usage_error():

@@ -95,8 +95,24 @@ def test_different_step_counts_but_earlier_difference_wins():
     assert verdict.first_difference == 1
 
 
-def test_empty_runs_are_identical():
-    assert compare(summary(0), summary(0)).identical
+def test_runs_without_a_committed_step_compare_nothing_and_do_not_pass():
+    verdict = compare(summary(0), summary(0))
+    assert not verdict.identical and verdict.message == ("nothing to compare: neither run "
+                                                          "committed a step")
+    assert compare(summary(), summary(0)).message == "nothing to compare: one run committed no step"
+
+
+def test_parameters_a_failed_run_did_not_record_are_said_and_never_pass():
+    failed = summary()
+    failed["param_sha256_per_step"] = [*failed["param_sha256_per_step"][:3], None]
+    for a, b in ((summary(), failed), (failed, failed)):
+        verdict = compare(a, b)
+        assert not verdict.identical  # nothing proven at step 3: never a pass
+        assert verdict.message == ("not all compared: 4 steps agree where both runs recorded "
+                                   "them, but parameters were not recorded by a run at step 3"
+                                   ), verdict.message
+    other = altered("param_sha256_per_step", 1, "ee" * 32)
+    assert compare(other, failed).message.startswith("differ: first at step 1: parameters")
 
 
 # ---------------------------------------------------------------- files and the CLI
