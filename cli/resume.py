@@ -49,6 +49,11 @@ def resumed_job(target: str, job: pb.JobConfig, *, job_id_given: bool = False,
         raise UsageError(f"--resume {target!r}: {latest.path} holds the state after the last "
                          f"of job {meta.job.job_id}'s {meta.job.steps} steps: the job finished, "
                          "there is nothing to resume")
+    early = next((f for f in job.testing.faults if f.step < meta.step), None)
+    if early is not None:
+        raise UsageError(f"--kill step={early.step},replica={early.replica},phase={early.phase}: "
+                         f"the resumed job starts at step {meta.step} ({latest.path.name}), so "
+                         "it would never fire")
     problem = difference(job, meta.job)
     if problem:
         raise UsageError(f"--resume {target!r}: {problem} in {latest.path.name}: a resumed job "
@@ -84,7 +89,15 @@ def difference(job: pb.JobConfig, checkpointed: pb.JobConfig) -> str | None:
         return None
     at = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b),
               min(len(ours), len(theirs)))
+    if at <= 1 or (at == 2 and "-m" in (ours[1:2] + theirs[1:2])):
+        # Another program altogether (the script or module differs): show both commands.
+        return (f"the worker command is {_shown(ours)!r} here, {_shown(theirs)!r}")
     # A flag's value differs most often: show the flag with it.
     start = at - 1 if at > 0 and ours[at - 1].startswith("-") else at
     return (f"the worker command has {' '.join(ours[start:at + 1]) or 'nothing more'!r} "
             f"here, {' '.join(theirs[start:at + 1]) or 'nothing more'!r}")
+
+
+def _shown(command: list[str], limit: int = 80) -> str:
+    text = " ".join(command) or "(none)"
+    return text if len(text) <= limit else text[:limit - 3] + "..."

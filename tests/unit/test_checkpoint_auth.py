@@ -162,6 +162,16 @@ def test_resume_passes_over_a_forged_newest_file_and_takes_the_job_from_the_invo
     assert resumed.checkpoint.dir == str(tmp_path / "new")
 
 
+def test_a_kill_before_the_resumed_step_is_one_line(tmp_path: Path) -> None:
+    write(tmp_path, 20)
+    kill = pb.FaultSpec(step=5, replica=1, phase="forward")
+    with pytest.raises(UsageError, match="--kill step=5,replica=1,phase=forward: the resumed job "
+                                         "starts at step 20 .* it would never fire"):
+        resumed_job(str(tmp_path), job(testing=pb.TestingConfig(faults=[kill])))
+    kill.step = 20
+    resumed_job(str(tmp_path), job(testing=pb.TestingConfig(faults=[kill])))  # it fires
+
+
 @pytest.mark.parametrize("changes, message", [
     ({"seed": 4}, "--seed=4 here, --seed=3 in ckpt-0000000020.rcv"),
     ({"steps": 60}, "--steps=60 here, --steps=50"),
@@ -169,7 +179,9 @@ def test_resume_passes_over_a_forged_newest_file_and_takes_the_job_from_the_invo
     ({"workload": pb.WorkloadSpec(command=["python", "train.py", "--hidden", "9"])},
      "the worker command has '--hidden 9' here, '--hidden 8'"),
     ({"workload": pb.WorkloadSpec(command=["sh", "-c", "touch x"])},
-     "the worker command has 'sh' here, 'python'"),
+     "the worker command is 'sh -c touch x' here, 'python train.py --hidden 8'"),
+    ({"workload": pb.WorkloadSpec(command=["python", "other.py", "--hidden", "8"])},
+     "the worker command is 'python other.py --hidden 8' here, 'python train.py --hidden 8'"),
 ])
 def test_a_resume_that_is_another_job_is_one_line(tmp_path: Path, changes, message) -> None:
     write(tmp_path, 20)
