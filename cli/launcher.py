@@ -321,12 +321,14 @@ def _watch(job: LocalJob, addresses: list[str], progress: Progress,
            security: Security | None, record: Callable[[pb.Event], None]) -> pb.RunReport:
     """Follow the job through the leading controller, to the new one after a failover.
 
-    Every event goes to `record` once, in order, all of them by the time this returns (the
-    status is asked first, so the events fetched with the terminal one include the end).
+    Every event goes to `record` once, in order, all of them by the time this returns: the
+    end's own event included, read after the terminal state is.
     """
     controllers = [n for n in job.processes if n.startswith("controller")]
     cursor = EventCursor()
     channel = None
+    ended_event = False  # the end's own event (succeeded, failed, stopped) recorded
+    terminal_since: float | None = None
     try:
         while True:
             alive = [n for n in controllers if job.processes[n].poll() is None]
@@ -347,15 +349,23 @@ def _watch(job: LocalJob, addresses: list[str], progress: Progress,
                 for event in cursor.fresh(stub.Events(cursor.request(), timeout=5).events):
                     progress.event(event)
                     record(event)
+                    ended_event = ended_event or event.kind in TERMINAL
             except (grpc.RpcError, _NotLeader):
                 channel.close()
                 channel = None
                 cursor.reread = True  # perhaps another leader next: see EventCursor
                 time.sleep(0.1)
                 continue
-            progress.status(status)
+            if terminal_since is None:  # the end's line once
+                progress.status(status)
             if status.state in TERMINAL:
-                return stub.Report(pb.ReportRequest(), timeout=10)
+                # Its event may trail the state by a store write (a leader that took over a
+                # job already ended has none): waited for briefly, so the record is whole.
+                terminal_since = terminal_since or time.monotonic()
+                if ended_event or time.monotonic() - terminal_since > 3.0:
+                    return stub.Report(pb.ReportRequest(), timeout=10)
+                time.sleep(0.05)
+                continue
             if status.state == "waiting":
                 # A controller or some agents lost during startup are faults the job rides
                 # out (a standby leads; the job starts without them, or they are replaced);

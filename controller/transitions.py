@@ -120,7 +120,9 @@ def maybe_finish(d: Draft) -> None:
     if v.stop_pending:
         stop_now(d)
         return
-    d.do(effects.SaveLastStep())
     reason = f"{d.ledger_len} steps committed"
+    # The event before the store write: the state is terminal as soon as this transition
+    # is, and a reader who sees it (`recover run`) must find the event already there.
     d.emit("succeeded", reason)
+    d.do(effects.SaveLastStep())
     end(d, JobState.SUCCEEDED, reason, success=True)

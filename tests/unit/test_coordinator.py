@@ -322,3 +322,26 @@ def test_a_plan_that_does_not_cover_all_microbatches_is_never_committed():
         assert h.coord.done.is_set()
         assert h.events("failed")
     asyncio.run(body())
+
+
+@scenario
+async def test_whoever_sees_the_job_end_sees_its_event() -> None:
+    """`recover run` stops reading events once the job's state is terminal: the end's event
+    must be in the log from the moment that state is, not once the store writes before it
+    are done (on etcd they take milliseconds, and a failover test's launcher missed it)."""
+    h = Harness(make_job(replicas=2, steps=1, m=4))
+    await h.start()
+    await h.reduce()
+    seen: list[bool] = []
+    for name in ("put", "put_many", "transaction"):
+        original = getattr(h.store, name)
+
+        async def watched(*args, _original=original, **kwargs):  # type: ignore[no-untyped-def]
+            if h.coord.state is JobState.SUCCEEDED:  # a reader could ask now, while it waits
+                seen.append(bool(h.events("succeeded")))
+            return await _original(*args, **kwargs)
+
+        setattr(h.store, name, watched)
+    await h.apply(0)
+    assert h.coord.state is JobState.SUCCEEDED
+    assert seen and all(seen), seen
