@@ -27,9 +27,9 @@ from recover.common.security import Role
 
 DEFAULT_DAYS = 365
 MAX_DAYS = 36500
+"""A hundred years: beyond that a validity is a typo (and soon past X.509's year 9999)."""
 MAX_NAME = 64
 """X.509's upper bound on a common name."""
-"""A hundred years: beyond that a validity is a typo (and soon past X.509's year 9999)."""
 CA_CERT, CA_KEY = "ca.pem", "ca-key.pem"
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 SUBJECT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]*")

@@ -292,9 +292,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("--checkpoint-every", "checkpoint.every_steps", type=checkpoint_interval,
             metavar="N|Ns", needs="checkpoint_dir",
             help="every N committed steps, or every N seconds with an s (default 100)",
-            check=lambda v, a: "--checkpoint-every goes with --checkpoint-dir (resuming: "
-            "give --checkpoint-dir too, the resumed folder for one, else the checkpoint's "
-            "schedule goes on)" if v is not None and a.checkpoint_dir is None else None,
+            check=lambda v, a: "--checkpoint-every goes with --checkpoint-dir (a resumed "
+            "job: --checkpoint-dir DIR --checkpoint-every N sets its schedule; without both it "
+            "keeps the checkpoint's)" if v is not None and a.checkpoint_dir is None else None,
             to_proto=lambda v, a: dict(zip(("checkpoint.every_steps", "checkpoint.every_s"),
                                            v or (100, 0.0), strict=True)),
             to_flags=_checkpoint_every_flags),
