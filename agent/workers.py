@@ -198,17 +198,26 @@ async def spawn_worker(
 
 
 def exit_report(worker: WorkerProcess, returncode: int) -> pb.WorkerExited:
+    killed_at = 0.0
+    if worker.fault is not None and worker.progress_path is not None:
+        snapshot = progress.read(worker.progress_path)
+        killed_at = snapshot.killed_at if snapshot is not None else 0.0
+    unknown = isinstance(worker.process, AttachedProcess)
+    if unknown and killed_at > 0:
+        # Not our child, so its status cannot be read; but its own fault injector stamped
+        # the kill, and that is always a SIGKILL (trainer/faults.py).
+        returncode, unknown = -signal.SIGKILL, False
     report = pb.WorkerExited(
         replica=worker.replica,
         exit_code=returncode if returncode >= 0 else 0,
         signal=-returncode if returncode < 0 else 0,
         observed_at=time.time(),
+        status_unknown=unknown,
     )
     if worker.fault is not None:
         report.fault.CopyFrom(worker.fault)
-        snapshot = progress.read(worker.progress_path) if worker.progress_path else None
-        if snapshot is not None and snapshot.killed_at > 0:
-            report.fault.killed_at = snapshot.killed_at  # stamped right before the kill
+        if killed_at > 0:
+            report.fault.killed_at = killed_at  # stamped right before the kill
     report.killed_by_agent = worker.killed_by_agent
     report.attached = worker.attached
     if worker.error is not None:

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import tomllib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -147,8 +149,42 @@ def _checked(where: str, key: str, value: Any, action: argparse.Action | None,
     return value
 
 
-def apply(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+@dataclass(frozen=True)
+class Applied:
+    """A job file made a parser's defaults: which flags now stand for which of its keys."""
+
+    path: str
+    keys: dict[str, str] = field(default_factory=dict)
+    """Long flag -> its key in the file ("[job] replicas"), for the flags whose value is
+    the file's (not given on the command line too)."""
+
+    def in_file_terms(self, message: str) -> str:
+        """`message` (about flags) naming the file's keys instead of the flags they set, so
+        that a mistake in the file points at the line to change."""
+        named = message
+        for flag, key in self.keys.items():
+            named = re.sub(re.escape(flag) + r"(?![\w-])", key, named)
+        return named if named == message else f"{named} (in --job {self.path!r})"
+
+
+def apply(parser: argparse.ArgumentParser, argv: list[str]) -> Applied | None:
     """Make a `--job FILE` in `argv` the defaults of `parser` (a subcommand's parser)."""
     path = find_job_file(argv)
-    if path is not None:
-        parser.set_defaults(**load(path, parser))
+    if path is None:
+        return None
+    values = load(path, parser)
+    parser.set_defaults(**values)
+    options = argv[:argv.index("--")] if "--" in argv else argv
+    given = {arg.split("=", 1)[0] for arg in options if arg.startswith("-")}
+    keys = {}
+    for action in parser._actions:  # noqa: SLF001 - argparse has no public map
+        if action.dest in values and not given & set(action.option_strings):
+            flag = max(action.option_strings, key=len)
+            keys[flag] = _file_key(action.dest)
+    return Applied(path, keys)
+
+
+def _file_key(dest: str) -> str:
+    key = next((k for k, d in DESTS.items() if d == dest), dest)
+    section = next(s for s, keys in SECTIONS.items() if key in keys)
+    return f"[{section}] {key}"

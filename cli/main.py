@@ -290,16 +290,32 @@ def _end_with_launcher() -> None:
         raise SystemExit(1)
 
 
+def _innermost(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+    """The (sub)command parser `argv` names, so that a stray flag is reported by the command
+    it was given to (`recover run: unrecognized arguments`), not by `recover`."""
+    words = iter(argv)
+    while True:
+        commands = next((action.choices for action in parser._actions
+                         if isinstance(action, argparse._SubParsersAction)), None)
+        word = next((w for w in words if not w.startswith("-")), None) if commands else None
+        if commands is None or word not in commands:
+            return parser
+        parser = commands[word]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] in (["controller"], ["agent"], ["relay"]):
         _end_with_launcher()
     parser = build_parser()
+    applied: jobfile.Applied | None = None
     try:
         for path in JOB_COMMANDS:
             if tuple(argv[:len(path)]) == path:
-                jobfile.apply(job_parser(parser, path), argv[len(path):])
-        args = parser.parse_args(argv)
+                applied = jobfile.apply(job_parser(parser, path), argv[len(path):])
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:
+            _innermost(parser, argv).error(f"unrecognized arguments: {' '.join(unknown)}")
         if args.command == "run" and args.mode == "ckpt-restart":
             return bench.run_ckpt_restart(args)
         if args.command == "run":
@@ -347,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             return inspect.write_summary(args.controller, args.out, args.timeout, security)
         return inspect.main(args, security)
     except UsageError as exc:
-        print(str(exc), file=sys.stderr)
+        print(applied.in_file_terms(str(exc)) if applied else str(exc), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("recover: interrupted", file=sys.stderr)

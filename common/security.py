@@ -110,6 +110,7 @@ class Security:
                 raise SecurityError(f"{what}: {name} {path!r} is not a readable file")
         if self.cert:
             check_certificate(Path(self.cert), what)
+            check_key_pair(Path(self.cert), Path(self.key), what)
         if self.ca:
             check_certificate(Path(self.ca), what)
         if self.token_file and not read_tokens(self.token_file):
@@ -143,6 +144,24 @@ def check_certificate(path: Path, what: str) -> None:
         if cert.not_valid_after_utc < now:
             raise SecurityError(f"{what}: the certificate {cert.subject.rfc4514_string()} in "
                                 f"{path} expired on {cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC")
+
+
+def check_key_pair(cert: Path, key: Path, what: str) -> None:
+    """The key must be the certificate's: gRPC would otherwise only log its own lines and
+    fail every connection as if nobody answered."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        private = serialization.load_pem_private_key(key.read_bytes(), None)
+    except TypeError:
+        raise SecurityError(f"{what}: --tls-key {str(key)!r} is encrypted; it must be an "
+                            "unencrypted PEM key (readable by its owner only)") from None
+    except ValueError:
+        raise SecurityError(f"{what}: --tls-key {str(key)!r} is not a PEM private key") from None
+    if private.public_key() != x509.load_pem_x509_certificates(cert.read_bytes())[0].public_key():
+        raise SecurityError(f"{what}: --tls-key {str(key)!r} is not the key of --tls-cert "
+                            f"{str(cert)!r} (give the key file issued with that certificate)")
 
 
 # ---------------------------------------------------------------- tokens

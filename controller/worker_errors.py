@@ -41,6 +41,8 @@ def error_keys(error: pb.WorkerError) -> tuple[ErrorKey, ...]:
 
 
 def _how(exited: pb.WorkerExited) -> str:
+    if exited.status_unknown:
+        return "its exit status is unknown: its agent did not start it"
     return f"signal {exited.signal}" if exited.signal else f"exit code {exited.exit_code}"
 
 

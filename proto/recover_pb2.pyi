@@ -625,7 +625,7 @@ class WorkerError(_message.Message):
     def __init__(self, where: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ..., deterministic: _Optional[bool] = ...) -> None: ...
 
 class WorkerExited(_message.Message):
-    __slots__ = ("replica", "exit_code", "signal", "observed_at", "fault", "killed_by_agent", "error", "attached", "output_tail")
+    __slots__ = ("replica", "exit_code", "signal", "observed_at", "fault", "killed_by_agent", "error", "attached", "output_tail", "status_unknown")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     SIGNAL_FIELD_NUMBER: _ClassVar[int]
@@ -635,6 +635,7 @@ class WorkerExited(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ATTACHED_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TAIL_FIELD_NUMBER: _ClassVar[int]
+    STATUS_UNKNOWN_FIELD_NUMBER: _ClassVar[int]
     replica: int
     exit_code: int
     signal: int
@@ -644,7 +645,8 @@ class WorkerExited(_message.Message):
     error: WorkerError
     attached: bool
     output_tail: str
-    def __init__(self, replica: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., observed_at: _Optional[float] = ..., fault: _Optional[_Union[FaultNote, _Mapping]] = ..., killed_by_agent: _Optional[str] = ..., error: _Optional[_Union[WorkerError, _Mapping]] = ..., attached: _Optional[bool] = ..., output_tail: _Optional[str] = ...) -> None: ...
+    status_unknown: bool
+    def __init__(self, replica: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., observed_at: _Optional[float] = ..., fault: _Optional[_Union[FaultNote, _Mapping]] = ..., killed_by_agent: _Optional[str] = ..., error: _Optional[_Union[WorkerError, _Mapping]] = ..., attached: _Optional[bool] = ..., output_tail: _Optional[str] = ..., status_unknown: _Optional[bool] = ...) -> None: ...
 
 class ReplicaRequest(_message.Message):
     __slots__ = ("slot", "reason")

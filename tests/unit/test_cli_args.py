@@ -53,9 +53,13 @@ def assert_one_line(err: str, phrase: str) -> None:
 
 
 USAGE_CASES = [
-    pytest.param(["run", "--bogus"], "unrecognized arguments: --bogus", id="unknown-flag"),
-    pytest.param(["status", "--frobnicate", "1"], "unrecognized arguments: --frobnicate 1",
-                 id="unknown-flag-status"),
+    # A stray flag is reported by the command it was given to, with that command's --help.
+    pytest.param(["run", "--bogus"], "recover run: unrecognized arguments: --bogus (see "
+                 "`recover run --help`)", id="unknown-flag"),
+    pytest.param(["status", "--frobnicate", "1"], "recover status: unrecognized arguments: "
+                 "--frobnicate 1", id="unknown-flag-status"),
+    pytest.param(["certs", "token", "--bogus"], "recover certs token: unrecognized arguments",
+                 id="unknown-flag-subcommand"),
     pytest.param(["frobnicate"], "invalid choice: 'frobnicate'", id="unknown-command"),
     pytest.param([], "the following arguments are required: COMMAND", id="no-command"),
     pytest.param(["run", "-R", "0"], "argument --replicas/-R: must be at least 1, got 0",

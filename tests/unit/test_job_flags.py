@@ -139,11 +139,24 @@ def test_a_job_file_carries_credentials_for_the_controller(tmp_path: Path) -> No
     ("[security]\ntls_ca = 3\n", "[security] tls_ca must be a string"),
     ("job = 3\n", "[job] must be a table"),
     ("[job\n", "not valid TOML"),
+    # Checks across settings name the file's keys, not the flags they stand for.
+    ("[job]\nglobal_microbatches = 3\nreplicas = 4\n",
+     "[job] global_microbatches (3) must be at least [job] replicas (4)"),
+    ("[testing]\nkill = ['bogus']\n", "malformed [testing] kill 'bogus'"),
+    ("[job]\ncheckpoint_keep = 5\n", "[job] checkpoint_keep goes with --checkpoint-dir"),
 ])
 def test_job_file_mistakes_are_one_line(capsys, tmp_path: Path, text: str, phrase: str) -> None:
     code, out, err = run_main(capsys, ["controller", "--job", write(tmp_path, text)])
     assert code == 2 and out == ""
     assert_one_line(err, phrase)
+
+
+def test_a_mistake_names_the_flag_where_the_command_line_gave_it(capsys, tmp_path: Path) -> None:
+    path = write(tmp_path, "[job]\nglobal_microbatches = 3\n")
+    code, _, err = run_main(capsys, ["controller", "--job", path, "--replicas=4"])
+    assert code == 2
+    assert_one_line(err, f"[job] global_microbatches (3) must be at least --replicas (4): every "
+                         f"replica needs a microbatch (in --job {path!r})")
 
 
 def test_a_missing_job_file_is_one_line(capsys, tmp_path: Path) -> None:

@@ -74,6 +74,31 @@ def test_an_expired_certificate_is_refused_before_anything_starts(ca: Path) -> N
         Security(cert=str(cert), key=str(key), ca=str(ca / "ca.pem")).check("recover agent")
 
 
+@pytest.mark.parametrize("key, message", [
+    ("alice-key.pem", "is not the key of --tls-cert"),   # another holder's key
+    ("host0.pem", "is not a PEM private key"),           # a certificate in the key's place
+    (None, "is encrypted; it must be an unencrypted PEM key"),
+])
+def test_a_key_that_is_not_the_certificates_is_named(ca: Path, tmp_path: Path, key: str | None,
+                                                    message: str) -> None:
+    # gRPC took such a pair without a word, logged its own lines and then failed every call
+    # as "no controller answers".
+    if key is None:
+        from cryptography.hazmat.primitives import serialization
+
+        own = serialization.load_pem_private_key((ca / "host0-key.pem").read_bytes(), None)
+        path = tmp_path / "locked-key.pem"
+        path.write_bytes(own.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"secret")))
+    else:
+        path = ca / key
+    with pytest.raises(SecurityError, match=message):
+        Security(cert=str(ca / "host0.pem"), key=str(path), ca=str(ca / "ca.pem")).check("x")
+    Security(cert=str(ca / "host0.pem"), key=str(ca / "host0-key.pem"),
+             ca=str(ca / "ca.pem")).check("x")
+
+
 def test_options_fall_back_to_the_environment() -> None:
     env = {"RECOVER_TLS_CA": "/etc/recover/ca.pem", "RECOVER_TOKEN_FILE": "/run/token"}
     security = from_values(ca=None, token_file="/mine", environ=env)

@@ -66,6 +66,9 @@ ROWS = [
                  id="killed-while-importing-is-a-fault"),
     pytest.param(exited(code=1, attached=True), False, {}, False, "exited (exit code 1)",
                  id="library-crash-at-start-is-a-fault"),
+    pytest.param(pb.WorkerExited(replica=1, exit_code=1, attached=True, status_unknown=True),
+                 True, {}, False, "replica 1 exited (its exit status is unknown: its agent did "
+                 "not start it)", id="an-attached-process-status-is-not-made-up"),
     pytest.param(exited(code=127, attached=False, tail="cannot run the worker command 'x'"),
                  False, {}, True, "cannot run the worker command 'x'", id="command-cannot-run"),
 ]
