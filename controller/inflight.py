@@ -53,6 +53,10 @@ class StepInFlight:
         """The last snapshot of `throughput` (it changes only when a step commits)."""
         self.steals = stealflow.StealBook()
         """Work-stealing: what the members of the step in flight reported of their progress."""
+        self._last_pace: dict[int, float] = {}
+        """Each member's mean seconds per microbatch in the step that last committed: a
+        quiet member's own reference for news at the next step's start (common/stealnews.py),
+        so the book starts from it too."""
 
     def speeds(self) -> Speeds:
         """Measured seconds per microbatch of each replica measured so far (a snapshot)."""
@@ -74,10 +78,11 @@ class StepInFlight:
         """A step committed; `next_view` is the view whose plan the next step follows (None:
         no next step is planned yet)."""
         self.progress.reduced.clear()
-        self.steals.begin(next_view, self._clock(), self.speeds())
+        self.steals.begin(next_view, self._clock(), {**self.speeds(), **self._last_pace})
 
     def member_failed(self, replica: int) -> None:
         self.throughput.forget(replica)  # replica ids are never reused
+        self._last_pace.pop(replica, None)
         self._speeds = None
 
     # ------------------------------------------------------------ reports
@@ -108,6 +113,8 @@ class StepInFlight:
         """Each member's speed in the step about to commit (its microbatches and compute time
         add up over the generations of the step, so a recovery keeps the ratio true). An
         exact-mode redo restarts the step's microbatches but not the time: left out."""
+        self._last_pace = {m: r.compute_s / len(r.microbatch_ids)
+                           for m, r in zip(members, reported, strict=True) if r.microbatch_ids}
         for member, report in zip(members, reported, strict=True):
             if not report.overflow and not report.scale_epoch:
                 self.throughput.observe(member, len(report.microbatch_ids), report.compute_s)

@@ -9,7 +9,7 @@ transitions that carry the decisions out. In order, for one steal:
 2. the giver is sent a Release of them (`steer`), and is asked nothing else until it
    answers;
 3. the giver, between two microbatches, drops those it has not started and answers
-   Released with exactly them;
+   Released with exactly them (then reports its progress: it is between two microbatches);
 4. the plan moves them to the takers and is stored (a new leader resumes from it), and
    only then is each taker sent its grown share (`hand_over`).
 
@@ -26,12 +26,12 @@ import statistics
 from collections.abc import Mapping
 from dataclasses import replace
 
+from recover.common.stealnews import NEWS_MARGIN
 from recover.controller import effects
 from recover.controller.jobstate import plan_message
 from recover.controller.policy import PlanDecision
 from recover.controller.stealing import (
     DEFAULT_LATENCY_S,
-    MARGIN,
     Decisions,
     Member,
     Steal,
@@ -74,7 +74,7 @@ class StealBook:
         default = statistics.median(known) if known else 0.0
         for m in view.members:
             self.members[m] = Member(m, tuple(view.plan.get(m, ())), 0,
-                                     speeds.get(m, default), now)
+                                     speeds.get(m, default), now, quiet=True)
 
     def current(self, generation: int, step: int) -> bool:
         return self._key == (generation, step)
@@ -82,10 +82,11 @@ class StealBook:
     def progress(self, replica: int, msg: pb.Progress, now: float) -> bool:
         """A member's progress; True when it is news the decisions may turn on: the member
         is now on its last microbatch or idle (a taker, or one to close), or it ends its
-        share at least MARGIN of a microbatch sooner or later than predicted. Any other
-        report confirms the prediction the last decisions were made on, and deciding again
-        at every one of them cost the controller O(members) per report, O(members²) per
-        step (bench/scripts/stealing_step.py)."""
+        share at least NEWS_MARGIN of a microbatch sooner or later than predicted. Members
+        send only such reports (common/stealnews.py); another (its speed back on the
+        prediction) confirms what the last decisions were made on, and deciding again at
+        every report cost the controller O(members) per report, O(members²) per step
+        (bench/scripts/stealing_step.py)."""
         member = self.members.get(replica)
         if member is None or not self.current(msg.generation, msg.step):
             return False
@@ -96,7 +97,7 @@ class StealBook:
         self.members[replica] = reported
         if reported.idle and not member.idle or member.unstarted and not reported.unstarted:
             return True
-        return abs(reported.finish(now) - member.finish(now)) > MARGIN * reported.pace(now)
+        return abs(reported.finish(now) - member.finish(now)) > NEWS_MARGIN * reported.pace(now)
 
     def released(self, replica: int, msg: pb.Released, now: float) -> Steal | None:
         """The giver's answer: the steal it settles, each taker's part cut to what was

@@ -12,8 +12,10 @@ taker). A started microbatch stays with whoever started it, and no microbatch is
 by two members, so each of the step's M is computed exactly once into the sum.
 
 What the controller knows of a member is what it last reported: how many microbatches it
-has done, when, and how long its last one took. So the decisions below are predictions,
-and need not be right to be safe: the giver, not the prediction, decides what is released.
+has done, when, and how long its last one took. Members report only news (common/stealnews.py:
+on their last microbatch, idle, or off the assumed pace), so a silent one is assumed on
+schedule. The decisions below are predictions, and need not be right to be safe: the giver,
+not the prediction, decides what is released.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import bisect
 import heapq
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+from recover.common.stealnews import assumed_done
 
 DEFAULT_LATENCY_S = 0.005
 """A Release's round trip through the agents (controller -> giver -> controller -> taker)."""
@@ -52,6 +56,11 @@ class Member:
     """A Release to it is unanswered: nobody else may ask it until it answers."""
     taking: bool = False
     """Waiting for the answer to a Release made for it."""
+    quiet: bool = False
+    """It reports only news (common/stealnews.py): while silent it is assumed on schedule,
+    whole microbatches at its pace since it was last heard of, never past the start of its
+    last. False: it reports every microbatch, and a current one taking longer than its pace
+    means a slower pace (the model of the first version, tests/unit/stealing_reference.py)."""
     idle: bool = field(init=False, repr=False, compare=False)
     """It has done its whole share. Set once, with `left`: a decision reads them for every
     member, several times (at 1,024 members, as properties they were a fifth of its time)."""
@@ -81,6 +90,17 @@ class Member:
     def unstarted(self) -> tuple[int, ...]:
         """Microbatches it has surely not started: all but the one in progress."""
         return self.share[self.done + 1:]
+
+
+def assumed(member: Member, now: float) -> Member:
+    """A quiet member as the controller assumes it is at `now` (what its silence says), as a
+    member that reports every microbatch: the predictions of both are the same."""
+    if not member.quiet:
+        return member
+    done = assumed_done(left=member.left, elapsed_s=now - member.since,
+                        pace_s=member.seconds_per_mb)
+    return replace(member, done=member.done + done,
+                   since=member.since + done * member.seconds_per_mb, quiet=False)
 
 
 @dataclass(frozen=True)
@@ -117,6 +137,12 @@ class _Seen:
     finish: float
     pace: float
     boundary: float
+    done: int
+    """How many of its share it has done, reported or assumed (a quiet member)."""
+
+    @property
+    def unstarted(self) -> tuple[int, ...]:
+        return self.member.share[self.done + 1:]
 
     @property
     def replica(self) -> int:
@@ -127,11 +153,14 @@ def _seen(member: Member, now: float) -> _Seen:
     """A member's pace, boundary and finish at `now` (the one place they are computed), in
     one pass: a decision makes one for every member."""
     if member.idle:
-        return _Seen(member, now, member.seconds_per_mb, now)
-    since, per_mb = member.since, member.seconds_per_mb
+        return _Seen(member, now, member.seconds_per_mb, now, member.done)
+    since, per_mb, left = member.since, member.seconds_per_mb, member.left
+    # Inlined `assumed` (no copy of the member: a decision makes one _Seen per member).
+    silent = assumed_done(left=left, elapsed_s=now - since, pace_s=per_mb) if member.quiet else 0
+    since, left = since + silent * per_mb, left - silent
     pace = max(per_mb, now - since)
     boundary = max(since + per_mb, now)
-    return _Seen(member, boundary + (member.left - 1) * pace, pace, boundary)
+    return _Seen(member, boundary + (left - 1) * pace, pace, boundary, member.done + silent)
 
 
 def _by_finish(seen: _Seen) -> tuple[float, int]:
@@ -153,7 +182,7 @@ def _split(giver: _Seen, takers: Iterable[_Seen], latency_s: float,
            idle_by_pace: Sequence[_Seen] = ()) -> dict[int, tuple[int, ...]]:
     """split_unstarted of predictions: `takers` in order of (finish, replica), and idle
     takers either there or, in order of (pace, replica), in `idle_by_pace`."""
-    unstarted = giver.member.unstarted
+    unstarted = giver.unstarted
     giver_end, giver_pace = giver.finish, giver.pace
     start = giver.boundary + latency_s
     candidates = _first_to_end(takers, idle_by_pace, start, len(unstarted))

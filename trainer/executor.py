@@ -174,7 +174,7 @@ class StepExecutor(JoinSteps):
         # Done first, in order, so `assigned[len(done):]` is exactly what is left.
         s.assigned = s.done + [mb for mb in mine if mb not in s.done]
         s.planned = True
-        s.open, s.idle_reported = plan.open, False
+        s.open, s.idle_reported, s.heard_at = plan.open, False, None
         self._load_ahead()
         if not s.original:
             s.original = set(mine)
@@ -201,13 +201,14 @@ class StepExecutor(JoinSteps):
         """Give back the asked-for microbatches this worker has not started, and say which,
         before anyone else is handed them."""
         s = self.state
-        released: list[int] = []
-        if (release.generation == self.generation and release.step == s.step and s.open
-                and s.reduced is None):
-            released = s.release_unstarted(list(release.microbatch_ids))
+        current = (release.generation == self.generation and release.step == s.step and s.open
+                   and s.reduced is None)
+        released = s.release_unstarted(list(release.microbatch_ids)) if current else []
         self.channel.send(pb.WorkerReport(released=pb.Released(
             generation=release.generation, step=release.step, steal=release.steal,
             microbatch_ids=released)))
+        if current:  # between two microbatches: where this member is, exactly
+            self._report_progress(0.0)
         if released:
             self.hooks.on_release(s.step)
 
@@ -216,6 +217,7 @@ class StepExecutor(JoinSteps):
         s.idle_reported = len(s.done) >= len(s.assigned)
         self.channel.send(pb.WorkerReport(progress=pb.Progress(
             generation=self.generation, step=s.step, done=s.done, last_s=last_s)))
+        s.heard(time.perf_counter(), last_s)
 
     def _compute(self, microbatch: int) -> None:
         if self._resumed_at is not None:
@@ -251,7 +253,7 @@ class StepExecutor(JoinSteps):
         s.tokens += result.tokens
         took = time.perf_counter() - started
         s.compute_s += took
-        if s.open:
+        if s.open and s.is_news(started + took):  # news only: common/stealnews.py
             self._report_progress(took)
 
     def _hook_reduction(self, position: int) -> bool:
@@ -339,6 +341,8 @@ class StepExecutor(JoinSteps):
         if commit.HasField("next_plan"):
             self.state.committed_at = committed_at
             self._adopt_plan(commit.next_plan)
+            # The controller's book of this step starts at the commit, at its speed estimate.
+            self.state.heard(committed_at, s.compute_s / len(s.done) if s.done else 0.0)
 
     def _apply(self, means: list, step: pb.CatchUpStep, commit_wait: float | None,
                checkpoint_now: bool = False, final: bool = False) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
+from recover.common.stealnews import worth_reporting
 from recover.proto import pb
 from recover.trainer.reduction import Reduced
 
@@ -48,6 +50,30 @@ class StepState:
     idle_reported: bool = False
     """Work-stealing: every microbatch of the share is done and the controller knows it;
     waiting for more, or for the share to close."""
+    heard_at: float | None = None
+    """Work-stealing: when the controller last heard of this step's progress (perf_counter:
+    a report, the commit that began the step); None: it assumes nothing of this member
+    (a new generation or a join), so the next microbatch is reported."""
+    heard_done: int = 0
+    """How many microbatches were done then."""
+    pace_s: float = 0.0
+    """The seconds per microbatch the controller assumes of this member: the last reported
+    microbatch's time; at a step's start, this member's mean of the step before (the
+    controller's estimate is a median of those); 0: unknown."""
+
+    def heard(self, at: float, pace_s: float = 0.0) -> None:
+        """The controller now knows this step's progress as of `at` (and this pace, if > 0)."""
+        self.heard_at, self.heard_done = at, len(self.done)
+        if pace_s > 0:
+            self.pace_s = pace_s
+
+    def is_news(self, now: float) -> bool:
+        """After a microbatch of an open share: must the controller hear of it?"""
+        if self.heard_at is None:
+            return True
+        return worth_reporting(left=len(self.assigned) - len(self.done),
+                               elapsed_s=now - self.heard_at,
+                               done_since=len(self.done) - self.heard_done, pace_s=self.pace_s)
 
     def adopt_share(self, microbatch_ids: list[int], still_open: bool) -> bool:
         """Work-stealing: the share of this step is now `microbatch_ids` (more, stolen for
@@ -58,6 +84,8 @@ class StepState:
             raise RuntimeError(f"a share update of step {self.step} drops microbatches "
                                f"{missing} this worker already accumulated")
         grown = any(mb not in self.assigned for mb in microbatch_ids)
+        if grown and len(self.done) >= len(self.assigned):
+            self.heard(time.perf_counter())  # the controller counts an idle taker's time anew
         self.assigned = self.done + [mb for mb in microbatch_ids if mb not in self.done]
         self.open, self.idle_reported = still_open, False
         return grown

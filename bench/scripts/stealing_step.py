@@ -8,12 +8,15 @@ as the coordinator decides now (only on news that may change a decision, folded 
 pass of its event loop: a decision waits while the previous one's CPU time runs).
 
 Each member computes its share in order (microbatch times drawn per microbatch: about
-equal replicas, one in eight 2x slower), reports progress after each microbatch, reads a
-Release between microbatches and answers it with those it had not started, and takes up a
-grown share when idle; every message takes `--latency-ms` / 2 each way. What is measured
-is the controller's side only: the calls to `StealBook.decide` per step and the CPU they
-took (wall time of the calls, nothing else runs), and the step's virtual makespan against
-the ideal M / sum of speeds.
+equal replicas, one in eight 2x slower), reports its progress when that is news (on its
+last microbatch, idle, a quarter microbatch off the pace the controller assumes:
+common/stealnews.py, as workers do) or, with `--every-microbatch`, after each microbatch
+(as workers did before 2026-11-28), reads a Release between microbatches and answers it
+with those it had not started (then reports where it is), and takes up a grown share when
+idle; every message takes `--latency-ms` / 2 each way. What is measured is the controller's
+side only: the progress reports it receives per step, the calls to `StealBook.decide` and
+the CPU they took (wall time of the calls, nothing else runs), and the step's virtual
+makespan against the ideal M / sum of speeds.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from recover.common.stealnews import worth_reporting  # noqa: E402
 from recover.controller.stealflow import StealBook  # noqa: E402
 from recover.controller.view import JobView  # noqa: E402
 from recover.proto import pb  # noqa: E402
@@ -51,6 +55,15 @@ class Worker:
     release: tuple[int, tuple[int, ...]] | None = None
     """A Release read at the next microbatch boundary: (steal number, microbatch ids)."""
     finished_at: float = 0.0
+    heard_at: float = 0.0
+    """When the controller last heard of it (a report; the step's start)."""
+    heard_done: int = 0
+    pace: float = 0.1
+    """The pace the controller assumes of it: at first the book's uniform 0.1 s."""
+
+    def heard(self, now: float, pace: float = 0.0) -> None:
+        self.heard_at, self.heard_done = now, self.done
+        self.pace = pace or self.pace
 
 
 @dataclass
@@ -66,6 +79,10 @@ class Step:
     every_report: bool = False
     """Decide at every valid report, at once (as before 2026-11-27), not as the coordinator
     does now (on news that may change a decision, once per pass of its loop)."""
+    every_microbatch: bool = False
+    """Members report after every microbatch (before 2026-11-28), not news only."""
+    reports: int = 0
+    """Progress reports the controller received."""
     decision_due: bool = False
     busy_until: float = 0.0
     """Virtual time the controller is busy deciding until (the decision's measured CPU)."""
@@ -106,10 +123,17 @@ class Step:
 
     def microbatch_ended(self, now: float, worker: Worker, took: float) -> None:
         worker.done += 1
-        self.at(now + self.half_latency, self.controller_progress, worker.replica,
-                tuple(worker.share[:worker.done]), took)
+        if self.every_microbatch or worth_reporting(
+                left=len(worker.share) - worker.done, elapsed_s=now - worker.heard_at,
+                done_since=worker.done - worker.heard_done, pace_s=worker.pace):
+            self.report(worker, now, took)
         self.answer_release(worker, now)
         self.start_next(worker, now)
+
+    def report(self, worker: Worker, now: float, took: float) -> None:
+        worker.heard(now, took)
+        self.at(now + self.half_latency, self.controller_progress, worker.replica,
+                tuple(worker.share[:worker.done]), took)
 
     def answer_release(self, worker: Worker, now: float) -> None:
         if worker.release is None:
@@ -121,6 +145,7 @@ class Step:
         worker.share = [mb for mb in worker.share if mb not in set(released)]
         self.at(now + self.half_latency, self.controller_released, worker.replica, number,
                 released)
+        self.report(worker, now, 0.0)  # between two microbatches: where it is, exactly
 
     def release_arrives(self, now: float, worker: Worker, number: int,
                         ids: tuple[int, ...]) -> None:
@@ -131,12 +156,14 @@ class Step:
     def share_arrives(self, now: float, worker: Worker, share: tuple[int, ...]) -> None:
         worker.share = list(share)
         if not worker.computing:
+            worker.heard(now)  # the controller counts an idle taker's time anew
             self.start_next(worker, now)
 
     # ------------------------------------------------------------ controller side
 
     def controller_progress(self, now: float, replica: int, done: tuple[int, ...],
                             took: float) -> None:
+        self.reports += 1
         msg = pb.Progress(generation=GENERATION, step=STEP, done=done, last_s=took)
         if self.book.progress(replica, msg, now) or self.every_report:
             self.steer(now)
@@ -176,7 +203,7 @@ class Step:
 
 
 def one_step(size: int, per: int, seed: int, latency_s: float, every_report: bool,
-             slow_after: int = 0) -> Step:
+             slow_after: int = 0, every_microbatch: bool = False) -> Step:
     """One seeded step; one member in eight is 2x slower, from the start or (`slow_after`)
     once it has done that many microbatches."""
     rng = random.Random(seed)
@@ -190,7 +217,8 @@ def one_step(size: int, per: int, seed: int, latency_s: float, every_report: boo
     book.begin(view, 0.0, {r: 0.1 for r in plan})
     workers = {r: Worker(r, speeds[r], list(plan[r]), slows_to=2 * base[r] if r % 8 == 7 and
                          slow_after else 0.0, slow_after=slow_after) for r in plan}
-    step = Step(book, workers, rng, latency_s / 2, every_report=every_report)
+    step = Step(book, workers, rng, latency_s / 2, every_report=every_report,
+                every_microbatch=every_microbatch)
     step.makespan = step.run()
     if slow_after:  # the slow ones' first microbatches at full speed
         fast = sum(1 / base[r] for r in plan if r % 8 != 7)
@@ -211,23 +239,27 @@ def main() -> int:
     parser.add_argument("--slow-after", type=int, default=0,
                         help="the slow members slow down only after this many microbatches "
                              "(a replica slowing down mid-step)")
+    parser.add_argument("--every-microbatch", action="store_true",
+                        help="members report after every microbatch (before 2026-11-28)")
     parser.add_argument("--every-report-up-to", type=int, default=1024,
                         help="also run the old way (a decision at every report) up to this "
                              "size (1,024: ~6 s a step)")
     args = parser.parse_args()
-    print("| members | M | decided | decisions / step | their CPU / step | per decision "
-          "| steals / step | makespan / ideal |\n|---|---|---|---|---|---|---|---|")
+    print("| members | M | decided | reports / step | decisions / step | their CPU / step "
+          "| per decision | steals / step | makespan / ideal |\n"
+          "|---|---|---|---|---|---|---|---|---|")
     for size in (int(s) for s in args.sizes.split(",")):
         for every_report in (True, False):
             if every_report and size > args.every_report_up_to:
                 continue
             steps = [one_step(size, args.per, seed, args.latency_ms / 1000, every_report,
-                              args.slow_after)
+                              args.slow_after, args.every_microbatch)
                      for seed in range(args.steps)]
             calls = statistics.median(s.calls for s in steps)
             cpu = statistics.median(s.decide_s for s in steps)
             print(f"| {size} | {size * args.per} "
-                  f"| {'every report' if every_report else 'on news, folded'} | {calls:.0f} "
+                  f"| {'every report' if every_report else 'on news, folded'} "
+                  f"| {statistics.median(s.reports for s in steps):.0f} | {calls:.0f} "
                   f"| {cpu * 1000:.1f} ms | {cpu / calls * 1000:.2f} ms "
                   f"| {statistics.median(s.steals for s in steps):.0f} "
                   f"| {statistics.median(s.makespan / s.ideal for s in steps):.3f} |",

@@ -3,6 +3,8 @@ table-style on the decision and on its reason; no processes, no clock (times are
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from recover.agent import fencing
@@ -11,7 +13,7 @@ from recover.controller.control import job_status
 from recover.controller.metrics import ControllerCollector
 from recover.controller.records import PersistedJob, Records
 from recover.controller.stealflow import StealBook
-from recover.controller.stealing import Member, decide, last_open, split_unstarted
+from recover.controller.stealing import Member, assumed, decide, last_open, split_unstarted
 from recover.controller.view import JobView
 from recover.proto import pb
 from tests.unit.coordinator_harness import Harness, make_job, plan_dict, scenario
@@ -150,20 +152,21 @@ def test_an_empty_answer_means_the_giver_is_on_its_last_microbatch() -> None:
 @pytest.mark.parametrize("reports", [
     # (seconds after the step began, done so far, its last microbatch's time, news?)
     pytest.param([(0.05, 1, 0.05, False), (0.10, 2, 0.05, False)], id="on time: no news"),
-    pytest.param([(0.10, 1, 0.10, False)],
-                 id="slower, but the time since the step began had already shown it"),
-    pytest.param([(0.05, 1, 0.05, False), (0.15, 2, 0.10, False), (0.20, 3, 0.05, True)],
+    pytest.param([(0.10, 1, 0.10, True)],
+                 id="slower: its silence had said on schedule (2 done by then)"),
+    pytest.param([(0.05, 1, 0.05, False), (0.10, 2, 0.05, False), (0.15, 3, 0.05, True)],
                  id="on its last microbatch: a taker"),
     pytest.param([(0.05, 1, 0.05, False), (0.10, 2, 0.05, False), (0.15, 3, 0.05, True),
                   (0.20, 4, 0.05, True)], id="idle: one to close"),
-    pytest.param([(0.10, 1, 0.10, False), (0.15, 2, 0.05, True)],
+    pytest.param([(0.10, 1, 0.10, True), (0.15, 2, 0.05, True)],
                  id="2x faster than its last: ends its share well before predicted"),
     pytest.param([(0.05, 1, 0.20, True)],
                  id="says its microbatch took 4x the time seen: its share ends far later"),
 ])
 def test_only_news_calls_for_a_decision(reports: list[tuple[float, int, float, bool]]) -> None:
     # Deciding at every report cost O(members) a report; a report that only confirms the
-    # prediction (its time since the last one included) cannot change a decision.
+    # prediction (a quiet member assumed on schedule since it was last heard of) cannot
+    # change a decision. Members send only news (common/stealnews.py); the book checks.
     book = book_for({0: (0, 1, 2, 3), 1: (4, 5, 6, 7)}, {0: 0.05, 1: 0.05})
     began = NOW - 0.2
     for after, done, last_s, news in reports:
@@ -325,6 +328,29 @@ def test_a_steal_is_decided_before_the_takers_are_idle() -> None:
     assert not got.close  # nobody is idle: nobody is closed yet
 
 
+@pytest.mark.parametrize("done, since_ago, pace, assumed_done, predicted_finish_in", [
+    # A quiet member of a 6-microbatch share, last heard of `since_ago` s before NOW with
+    # `done` done, at `pace` s a microbatch: what its silence says now.
+    (0, 0.00, 0.05, 0, 0.30),    # just heard of: nothing assumed
+    (0, 0.12, 0.05, 2, 0.18),    # on schedule: two done, in its third, 6 x 0.05 from then
+    (0, 0.30, 0.05, 4, 0.10),    # never past the start of its last (it would report that):
+    (0, 0.40, 0.05, 4, 0.20),    # silent after it, it is late: its current one slows it
+    (3, 0.08, 0.05, 1, 0.07),    # 3 left then: one more assumed, its last starts at +0.02
+    (5, 0.30, 0.05, 0, 0.00),    # on its last (reported): nothing assumed, ends any moment
+    (0, 0.12, 0.00, 0, 0.60),    # no pace known yet: nothing assumed, its time so far is one
+])
+def test_a_quiet_member_is_assumed_on_schedule(done: int, since_ago: float, pace: float,
+                                               assumed_done: int,
+                                               predicted_finish_in: float) -> None:
+    quiet = member(0, range(6), done, pace, NOW - since_ago, quiet=True)
+    said = assumed(quiet, NOW)
+    assert said.done == done + assumed_done and not said.quiet
+    assert said.since == pytest.approx(NOW - since_ago + assumed_done * pace)
+    assert quiet.finish(NOW) == pytest.approx(said.finish(NOW))
+    assert quiet.finish(NOW) - NOW == pytest.approx(predicted_finish_in)
+    assert replace(quiet, quiet=False).finish(NOW) >= quiet.finish(NOW)  # silence: not late
+
+
 # ---------------------------------------------------------------- the fast decide vs the first one
 
 def _random_members(rng, count: int, per: int) -> dict[int, Member]:
@@ -344,6 +370,8 @@ def _random_members(rng, count: int, per: int) -> dict[int, Member]:
 def test_decide_agrees_with_the_quadratic_first_version(seed: int) -> None:
     # The first version (tests/unit/stealing_reference.py) is the specification: the same
     # steals, takes, reasons and closes, on small and large books, ties and flags included.
+    # Quiet members (reporting only news) are to decide as the first version decides on
+    # what their silence says of them (`assumed`: on schedule since last heard of).
     import random
 
     from tests.unit.stealing_reference import reference_decide, reference_split_unstarted
@@ -351,7 +379,11 @@ def test_decide_agrees_with_the_quadratic_first_version(seed: int) -> None:
     rng = random.Random(seed)
     members = _random_members(rng, rng.choice([2, 3, 5, 8, 16, 64, 200]), rng.choice([2, 4, 9]))
     latency = rng.choice([0.0, 0.005, 0.05])
-    assert decide(members, NOW, latency) == reference_decide(members, NOW, latency)
-    giver, *takers = members.values()
-    assert split_unstarted(giver, takers, NOW, latency) == \
-        reference_split_unstarted(giver, takers, NOW, latency)
+    quiet = {r: replace(m, quiet=rng.random() < 0.7) for r, m in members.items()}
+    for book in (members, quiet):
+        said = {r: assumed(m, NOW) for r, m in book.items()}
+        assert decide(book, NOW, latency) == reference_decide(said, NOW, latency)
+        giver, *takers = book.values()
+        assert split_unstarted(giver, takers, NOW, latency) == \
+            reference_split_unstarted(said[giver.replica], [said[t.replica] for t in takers],
+                                      NOW, latency)
