@@ -59,7 +59,7 @@ class StepState:
     pace_s: float = 0.0
     """The seconds per microbatch the controller assumes of this member: the last reported
     microbatch's time; at a step's start, this member's mean of the step before (the
-    controller's estimate is a median of those); 0: unknown."""
+    controller has it from the member's reduction report); 0: unknown."""
 
     def heard(self, at: float, pace_s: float = 0.0) -> None:
         """The controller now knows this step's progress as of `at` (and this pace, if > 0)."""
