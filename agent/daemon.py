@@ -311,7 +311,8 @@ class Agent:
             return
         report = lose_replica(worker, process, returncode)
         self._send_up(pb.AgentMessage(worker_exited=report))
-        log.warning("worker exited (code %d, signal %d)", report.exit_code, report.signal,
+        log.warning("worker exited (%s)", "status unknown: not this agent's child"
+                    if report.status_unknown else f"code {report.exit_code}, signal {report.signal}",
                     extra={"replica": worker.replica})
         now, window = time.monotonic(), self.config.restart_window_s
         times = [t for t in self.restarts.get(worker.slot, []) if now - t < window]

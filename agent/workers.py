@@ -19,6 +19,7 @@ from recover.agent.warmstart import ForkedProcess, WarmStarter
 from recover.common import progress
 from recover.common.netaddr import is_loopback
 from recover.proto import pb
+from recover.trainer.faults import HANG_PHASES
 
 log = logging.getLogger("recover.agent")
 
@@ -203,9 +204,10 @@ def exit_report(worker: WorkerProcess, returncode: int) -> pb.WorkerExited:
         snapshot = progress.read(worker.progress_path)
         killed_at = snapshot.killed_at if snapshot is not None else 0.0
     unknown = isinstance(worker.process, AttachedProcess)
-    if unknown and killed_at > 0:
-        # Not our child, so its status cannot be read; but its own fault injector stamped
-        # the kill, and that is always a SIGKILL (trainer/faults.py).
+    if unknown and worker.fault is not None and worker.fault.phase not in HANG_PHASES:
+        # Not our child, so its status cannot be read; but it said it injects a crash into
+        # itself, and that is always a SIGKILL (trainer/faults.py). (Its agent never kills
+        # it, so a hang fault ends some other way.)
         returncode, unknown = -signal.SIGKILL, False
     report = pb.WorkerExited(
         replica=worker.replica,

@@ -31,6 +31,11 @@ class UsageError(Exception):
     """Bad user input: printed as one line, exit code 2."""
 
 
+class SettingUsageError(UsageError):
+    """A job setting's value cannot work (client/jobsettings.py's checks): the message names
+    the flags, which a job file's keys may stand for (jobfile.Applied)."""
+
+
 class Parser(argparse.ArgumentParser):
     """argparse that reports a mistake in one line instead of a usage dump."""
 
@@ -101,7 +106,7 @@ def job_from_args(args: argparse.Namespace) -> pb.JobConfig:
     try:
         fields = job_fields(args)
     except SettingError as exc:
-        raise UsageError(str(exc)) from None
+        raise SettingUsageError(str(exc)) from None
     fields["workload.command"] = worker_command(args)
     return pb.JobConfig(**nested(fields))
 

@@ -151,19 +151,20 @@ def _checked(where: str, key: str, value: Any, action: argparse.Action | None,
 
 @dataclass(frozen=True)
 class Applied:
-    """A job file made a parser's defaults: which flags now stand for which of its keys."""
+    """A job file made a parser's defaults: which flags stand for which of its keys."""
 
     path: str
-    keys: dict[str, str] = field(default_factory=dict)
-    """Long flag -> its key in the file ("[job] replicas"), for the flags whose value is
-    the file's (not given on the command line too)."""
+    keys: dict[str, tuple[str, str, Any]] = field(default_factory=dict)
+    """Long flag -> (its key in the file, "[job] replicas"; its dest; the file's value)."""
 
-    def in_file_terms(self, message: str) -> str:
-        """`message` (about flags) naming the file's keys instead of the flags they set, so
-        that a mistake in the file points at the line to change."""
+    def in_file_terms(self, message: str, args: argparse.Namespace | None) -> str:
+        """`message` (a setting's check, naming flags) naming the file's keys instead of the
+        flags whose value is the file's (`args`: as parsed; a flag given on the command line
+        too, in any spelling, keeps its name), so a mistake in the file points at its line."""
         named = message
-        for flag, key in self.keys.items():
-            named = re.sub(re.escape(flag) + r"(?![\w-])", key, named)
+        for flag, (key, dest, value) in self.keys.items():
+            if args is None or getattr(args, dest, value) == value:
+                named = re.sub(re.escape(flag) + r"(?![\w-])", key, named)
         return named if named == message else f"{named} (in --job {self.path!r})"
 
 
@@ -174,14 +175,10 @@ def apply(parser: argparse.ArgumentParser, argv: list[str]) -> Applied | None:
         return None
     values = load(path, parser)
     parser.set_defaults(**values)
-    options = argv[:argv.index("--")] if "--" in argv else argv
-    given = {arg.split("=", 1)[0] for arg in options if arg.startswith("-")}
-    keys = {}
-    for action in parser._actions:  # noqa: SLF001 - argparse has no public map
-        if action.dest in values and not given & set(action.option_strings):
-            flag = max(action.option_strings, key=len)
-            keys[flag] = _file_key(action.dest)
-    return Applied(path, keys)
+    return Applied(path, {max(a.option_strings, key=len): (_file_key(a.dest), a.dest,
+                                                           values[a.dest])
+                          for a in parser._actions  # noqa: SLF001 - no public map
+                          if a.dest in values and a.option_strings})
 
 
 def _file_key(dest: str) -> str:

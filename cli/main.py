@@ -46,6 +46,7 @@ from recover.cli.access import (
 )
 from recover.cli.jobargs import (
     Parser,
+    SettingUsageError,
     UsageError,
     add_job_arguments,
     bounded_count,
@@ -309,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         _end_with_launcher()
     parser = build_parser()
     applied: jobfile.Applied | None = None
+    args: argparse.Namespace | None = None
     try:
         for path in JOB_COMMANDS:
             if tuple(argv[:len(path)]) == path:
@@ -363,7 +365,10 @@ def main(argv: list[str] | None = None) -> int:
             return inspect.write_summary(args.controller, args.out, args.timeout, security)
         return inspect.main(args, security)
     except UsageError as exc:
-        print(applied.in_file_terms(str(exc)) if applied else str(exc), file=sys.stderr)
+        message = str(exc)
+        if applied is not None and isinstance(exc, SettingUsageError):
+            message = applied.in_file_terms(message, args)
+        print(message, file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("recover: interrupted", file=sys.stderr)

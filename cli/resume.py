@@ -46,12 +46,11 @@ def resumed_job(target: str, job: pb.JobConfig, *, job_id_given: bool = False,
         raise UsageError(f"--resume {target!r}: {exc}") from None
     meta = latest.meta
     if meta.step >= meta.job.steps:
-        longer = (f"; --steps {job.steps} here cannot extend it: a job's step count is part of "
-                  "its trajectory (the workload sees it, e.g. for its learning-rate schedule), "
-                  "so a longer run is a new job" if job.steps != meta.job.steps else "")
         raise UsageError(f"--resume {target!r}: {latest.path} holds the state after the last "
                          f"of job {meta.job.job_id}'s {meta.job.steps} steps: the job finished, "
-                         f"there is nothing to resume{longer}")
+                         "there is nothing to resume (nor to extend with more --steps: a job's "
+                         "step count is part of its trajectory, which the workload sees, e.g. "
+                         "for its learning-rate schedule; a longer run is a new job)")
     early = next((f for f in job.testing.faults if f.step < meta.step), None)
     if early is not None:
         raise UsageError(f"--kill step={early.step},replica={early.replica},phase={early.phase}: "

@@ -302,7 +302,9 @@ SETTINGS: tuple[Setting, ...] = (
             needs="checkpoint_dir", absent_is_default=True,
             help="complete checkpoints kept; older ones are deleted (default 3)",
             check=lambda v, a: "--checkpoint-keep goes with --checkpoint-dir (without it no "
-            "checkpoint is written)" if v != 3 and a.checkpoint_dir is None else None),
+            "checkpoint is written; a resumed job: --checkpoint-dir DIR --checkpoint-keep K sets "
+            "it, without both it keeps the checkpoint's)" if v != 3 and a.checkpoint_dir is None
+            else None),
     Setting("--workload-config", "workload.config_json", metavar="JSON", section="workload",
             key="config", table=True,
             help="a JSON object every worker receives as recover.trainer Job.config (a job "

@@ -114,7 +114,8 @@ class StepInFlight:
         add up over the generations of the step, so a recovery keeps the ratio true). An
         exact-mode redo restarts the step's microbatches but not the time: left out."""
         self._last_pace = {m: r.compute_s / len(r.microbatch_ids)
-                           for m, r in zip(members, reported, strict=True) if r.microbatch_ids}
+                           for m, r in zip(members, reported, strict=True)
+                           if r.microbatch_ids and not r.overflow and not r.scale_epoch}
         for member, report in zip(members, reported, strict=True):
             if not report.overflow and not report.scale_epoch:
                 self.throughput.observe(member, len(report.microbatch_ids), report.compute_s)

@@ -3,8 +3,8 @@
 Pure decisions with reasons, tested table-style (tests/unit/test_stealing.py); the
 protocol that carries them out is in stealflow.py, and in the README's design section.
 
-A plan with work-stealing on is *open*: its members report their progress after each
-microbatch and reduce only once the controller *closes* their share. When a member has
+A plan with work-stealing on is *open*: its members report their progress when it is news
+(common/stealnews.py) and reduce only once the controller *closes* their share. When a member has
 done its whole share (it is idle) while another still holds microbatches it has not
 started, the controller asks that one (the giver) to release some; the giver answers with
 exactly those it had not started, and only then are they handed to the idle member (the

@@ -174,7 +174,7 @@ class StepExecutor(JoinSteps):
         # Done first, in order, so `assigned[len(done):]` is exactly what is left.
         s.assigned = s.done + [mb for mb in mine if mb not in s.done]
         s.planned = True
-        s.open, s.idle_reported, s.heard_at = plan.open, False, None
+        s.open, s.idle_reported, s.heard_at, s.pace_s = plan.open, False, None, 0.0
         self._load_ahead()
         if not s.original:
             s.original = set(mine)

@@ -28,7 +28,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -215,6 +215,8 @@ def one_step(size: int, per: int, seed: int, latency_s: float, every_report: boo
                    generation=GENERATION, members=tuple(plan), step=STEP, plan=plan)
     # The controller starts from uniform knowledge: the slow ones are found by their reports.
     book.begin(view, 0.0, {r: 0.1 for r in plan})
+    if every_microbatch:  # the first version's model too: an overdue microbatch is a slower pace
+        book.members = {r: replace(m, quiet=False) for r, m in book.members.items()}
     workers = {r: Worker(r, speeds[r], list(plan[r]), slows_to=2 * base[r] if r % 8 == 7 and
                          slow_after else 0.0, slow_after=slow_after) for r in plan}
     step = Step(book, workers, rng, latency_s / 2, every_report=every_report,

@@ -162,7 +162,7 @@ def test_resuming_a_finished_job_is_refused_with_a_reason(tmp_path: Path) -> Non
     write(tmp_path, 50)
     with pytest.raises(UsageError, match="the job finished, there is nothing to resume"):
         resumed_job(str(tmp_path), pb.JobConfig(job_id="j", steps=50))
-    with pytest.raises(UsageError, match=r"nothing to resume; --steps 80 here cannot extend it"):
+    with pytest.raises(UsageError, match=r"nothing to resume \(nor to extend with more --steps"):
         resumed_job(str(tmp_path), pb.JobConfig(job_id="j", steps=80))
     write(tmp_path / "part", 20)
     job, notes = resumed_job(str(tmp_path / "part"), pb.JobConfig(job_id="new", steps=50))

@@ -151,9 +151,13 @@ def test_job_file_mistakes_are_one_line(capsys, tmp_path: Path, text: str, phras
     assert_one_line(err, phrase)
 
 
-def test_a_mistake_names_the_flag_where_the_command_line_gave_it(capsys, tmp_path: Path) -> None:
-    path = write(tmp_path, "[job]\nglobal_microbatches = 3\n")
-    code, _, err = run_main(capsys, ["controller", "--job", path, "--replicas=4"])
+@pytest.mark.parametrize("given", [["--replicas=4"], ["-R4"], ["--repl", "4"]])
+def test_a_mistake_names_the_flag_where_the_command_line_gave_it(capsys, tmp_path: Path,
+                                                                 given: list[str]) -> None:
+    # The file sets replicas too; the command line's value, in any spelling, wins and keeps
+    # its flag's name.
+    path = write(tmp_path, "[job]\nglobal_microbatches = 3\nreplicas = 2\n")
+    code, _, err = run_main(capsys, ["controller", "--job", path, *given])
     assert code == 2
     assert_one_line(err, f"[job] global_microbatches (3) must be at least --replicas (4): every "
                          f"replica needs a microbatch (in --job {path!r})")
