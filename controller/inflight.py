@@ -113,13 +113,13 @@ class StepInFlight:
         """Each member's speed in the step about to commit (its microbatches and compute time
         add up over the generations of the step, so a recovery keeps the ratio true). An
         exact-mode redo restarts the step's microbatches but not the time: left out."""
-        self._last_pace = {m: r.compute_s / len(r.microbatch_ids)
-                           for m, r in zip(members, reported, strict=True)
-                           if r.microbatch_ids and not r.overflow and not r.scale_epoch}
+        self._last_pace = {}
         for member, report in zip(members, reported, strict=True):
             if not report.overflow and not report.scale_epoch:
                 self.throughput.observe(member, len(report.microbatch_ids), report.compute_s)
                 self.throughput.observe_lead(member, report.lead_s)
+                if report.microbatch_ids:
+                    self._last_pace[member] = report.compute_s / len(report.microbatch_ids)
         self._speeds = None
 
     def progress_reported(self, view: JobView, replica: int, msg: pb.Progress) -> bool:
